@@ -1,0 +1,30 @@
+"""dflash: a sync-free trainer for DFlash / Domino speculative-decoding draft models.
+
+Heavy submodules are imported lazily so that `import dflash` stays cheap (the CLI and the
+GPU scripts import only what they use).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "sample_anchors": "dflash.anchors",
+    "DFlashDraftConfig": "dflash.modeling",
+    "DFlashDraftModel": "dflash.modeling",
+    "FrozenTarget": "dflash.target",
+    "TrainConfig": "dflash.config",
+    "DFlashTrainer": "dflash.trainer",
+    "forbid_syncs": "dflash.syncs",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dflash' has no attribute {name!r}")

@@ -1,0 +1,87 @@
+"""Anchor sampling: where the draft's blocks start.
+
+A block of `block_size` tokens starts at an *anchor* position a: slot 0 holds the clean token at a,
+slots 1..bs-1 are predicted. Position i of row b is a valid anchor when `loss_mask[b, i]` and
+`loss_mask[b, i + 1]` are both set (at least one supervised token follows a supervised anchor).
+
+Every row gets exactly `min(N, valid_count)` distinct anchors, drawn uniformly without replacement,
+in a tensor of fixed width N (static shapes: the step can be compiled and graph-captured). The draw
+is "N smallest of i.i.d. uniform scores" via `topk`, which never reads a device value to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Score given to invalid positions: above any uniform draw in [0, 1), so topk(largest=False) takes
+# every valid position before any invalid one.
+_INVALID_SCORE = 2.0
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """`[B, S]` bool: position i is a valid anchor (loss_mask[i] and loss_mask[i+1]); the last is never."""
+    lm = loss_mask.bool()
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    return valid
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw up to `num_anchors` distinct valid anchors per row.
+
+    Args:
+        loss_mask: `[B, S]` bool or 0/1, True on supervised tokens.
+        num_anchors: N, the fixed output width.
+        generator: RNG on `loss_mask.device`; the trainer seeds it from (seed, rank, step).
+
+    Returns:
+        anchors: `LongTensor[B, N]`, ascending among kept slots; padded slots hold 0.
+        keep: `BoolTensor[B, N]`, True for the `min(N, valid_count)` real anchors (kept slots first).
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    bsz, seq_len = loss_mask.shape
+    valid = valid_anchor_mask(loss_mask)
+    scores = torch.rand(bsz, seq_len, generator=generator, device=loss_mask.device)
+    scores = torch.where(valid, scores, _INVALID_SCORE)
+
+    k = min(num_anchors, seq_len)
+    picked_scores, picked = torch.topk(scores, k, dim=1, largest=False, sorted=False)
+    picked_valid = picked_scores < 1.0
+    # Sort the kept positions ascending; the dropped ones get the sentinel `seq_len` so they sort last.
+    picked = torch.where(picked_valid, picked, seq_len)
+    picked, _ = torch.sort(picked, dim=1)
+    keep = picked < seq_len
+    anchors = torch.where(keep, picked, 0)
+    if k < num_anchors:  # host-side shapes only: pad the width to N with dropped slots
+        pad = num_anchors - k
+        anchors = torch.nn.functional.pad(anchors, (0, pad), value=0)
+        keep = torch.nn.functional.pad(keep, (0, pad), value=False)
+    return anchors, keep
+
+
+def bounded_width(loss_mask_cpu: torch.Tensor, num_anchors: int, multiple: int = 64) -> int:
+    """Host-side width bound for a batch still on the CPU: `min(N, max valid count)` rounded up.
+
+    Runs on the collator's CPU copy before the host-to-device transfer, so it reads no device value.
+    Fixed N stays the default where CUDA graphs are used (the width must not change between steps).
+    """
+    if loss_mask_cpu.device.type != "cpu":
+        raise ValueError("bounded_width reads the batch on the host: pass the CPU loss_mask")
+    most = int(valid_anchor_mask(loss_mask_cpu).sum(dim=1).max()) if loss_mask_cpu.numel() else 0
+    rounded = max(multiple, -(-most // multiple) * multiple)
+    return min(num_anchors, rounded)
+
+
+def anchor_seed(seed: int, rank: int, step: int) -> int:
+    """A 63-bit seed from (seed, rank, step): ranks draw differently and resume is exact."""
+    x = (seed * 0x9E3779B97F4A7C15 + rank * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    x ^= x >> 32
+    return x & (2**63 - 1)

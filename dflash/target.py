@@ -1,0 +1,139 @@
+"""The frozen target: hidden-state capture of chosen layers, frozen embedding and LM head, mask token.
+
+Works with any `AutoModelForCausalLM` whose base model returns `hidden_states` (Llama, Qwen2/3,
+Mistral, ...). Nothing here is trained: the wrapper puts the model in eval mode, turns off gradients,
+and exposes the embedding and LM-head weights for the draft to use as constants.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class FrozenTarget(nn.Module):
+    """A frozen causal LM seen through the features the draft needs.
+
+    `features(input_ids)` returns `[B, S, K*H]`: the output of decoder layer i (HF's
+    `hidden_states[i + 1]`) for each i in `layer_ids`, concatenated on the feature axis.
+
+    Only layers 0..max(layer_ids) run: the features come from forward hooks on a truncated view of
+    the decoder (sharing its weights), so the layers above the last feature and the LM head cost
+    nothing. (HF reports `hidden_states[L]` after the final norm; a hook on the last layer gives the
+    pre-norm output, which is what "output of decoder layer i" means for every i.)
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        super().__init__()
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.num_layers = self.text_config.num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad or not layer_ids:
+            raise ValueError(
+                f"target_layer_ids {layer_ids} out of range: the target has {self.num_layers} layers "
+                f"(valid ids 0..{self.num_layers - 1})"
+            )
+        self.layer_ids = list(layer_ids)
+        self._trunk = _truncated_decoder(model.get_decoder(), max(self.layer_ids) + 1)
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in set(self.layer_ids):
+            self._trunk.layers[i].register_forward_hook(self._capture_hook(i))
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("targets whose LM head has a bias are not supported (the draft reuses the head's weight)")
+
+    def _capture_hook(self, index: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def train(self, mode: bool = True) -> FrozenTarget:  # the target never leaves eval mode
+        return super().train(False)
+
+    @property
+    def text_config(self) -> Any:
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """`[V, H]` frozen input embedding table."""
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """`[V, H]` frozen LM head (tied or not)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table (may exceed the tokenizer's vocabulary, e.g. padded tables)."""
+        return self.embed_weight.shape[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Concatenated features `[B, S, K*H]` of right-padded `input_ids` `[B, S]`.
+
+        No attention mask is passed: the model is causal and padding sits at the end, so every real
+        position is exact, and HF's padding-mask path would read the mask back to the host (a sync).
+        """
+        self._trunk(input_ids=input_ids, use_cache=False)
+        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return feats
+
+    features = forward
+
+
+def _truncated_decoder(decoder: nn.Module, num_layers: int) -> nn.Module:
+    """A shallow copy of an HF decoder that runs only its first `num_layers` layers (shared weights)."""
+    trunk = copy.copy(decoder)
+    trunk._modules = dict(decoder._modules)  # own module table, so the original keeps all its layers
+    trunk.layers = nn.ModuleList(list(decoder.layers)[:num_layers])
+    trunk.config = copy.deepcopy(decoder.config)
+    trunk.config.num_hidden_layers = num_layers
+    if getattr(trunk.config, "layer_types", None) is not None:
+        trunk.config.layer_types = list(trunk.config.layer_types)[:num_layers]
+    return trunk
+
+
+def resolve_mask_token_id(tokenizer: Any, vocab_size: int, requested: int | str | None = None) -> int:
+    """The block's mask token: an explicit id or token string, else the tokenizer's mask token.
+
+    Raises a ValueError that says what to set when no usable token exists or the id is not a row of
+    the target's embedding table (a draft trained with such an id cannot be served).
+    """
+    if isinstance(requested, str):
+        token_id = tokenizer.convert_tokens_to_ids(requested) if tokenizer is not None else None
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if token_id is None or (token_id == unk and requested != getattr(tokenizer, "unk_token", None)):
+            raise ValueError(f"mask token {requested!r} is not in the tokenizer's vocabulary; "
+                             "set draft.mask_token_id to an existing token (id or string)")
+        requested = token_id
+    if requested is None:
+        requested = getattr(tokenizer, "mask_token_id", None)
+        if requested is None:
+            raise ValueError(
+                "the tokenizer defines no mask token: set draft.mask_token_id to the id (or string) of a token "
+                "that is a row of the target's embedding table and never appears in the training data "
+                "(an unused special or reserved token)"
+            )
+    if not 0 <= int(requested) < vocab_size:
+        raise ValueError(
+            f"mask_token_id {requested} is not a row of the target's embedding table (size {vocab_size}); "
+            f"choose an id in [0, {vocab_size - 1}]"
+        )
+    return int(requested)

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny targets built from config (no hub), offline environment."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_VOCAB = 128
+TINY_MASK_ID = TINY_VOCAB - 1
+
+
+def make_tiny_target(num_layers: int = 4, hidden: int = 64, vocab: int = TINY_VOCAB, seed: int = 0,
+                     head_std: float = 1.0):
+    """A 4-layer Llama of hidden 64. The LM head gets std `head_std` so that logits can be peaked
+    (a freshly initialised head with std 0.02 caps how low any draft's CE can go)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * hidden, vocab_size=vocab,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, head_std)
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+    return model.eval()
+
+
+def tiny_config(**overrides):
+    from dflash.config import TrainConfig
+
+    cfg = TrainConfig(max_steps=100, batch_size=4, device="cpu", dtype="float32", ce_chunk_size=64)
+    cfg.draft.num_layers = 2
+    cfg.draft.block_size = 4
+    cfg.draft.num_anchors = 8
+    cfg.draft.mask_token_id = TINY_MASK_ID
+    cfg.optim.lr = 3e-3
+    for key, value in overrides.items():
+        cfg.set(key.replace("__", "."), value)
+    return cfg
+
+
+def random_batch(batch: int = 4, seq: int = 32, prompt: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY_VOCAB - 1, (batch, seq), generator=g)
+    loss_mask = torch.ones(batch, seq, dtype=torch.bool)
+    loss_mask[:, :prompt] = False
+    return {"input_ids": ids, "loss_mask": loss_mask}
+
+
+@pytest.fixture
+def tiny_target():
+    return make_tiny_target()
