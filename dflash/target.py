@@ -98,13 +98,39 @@ class FrozenTarget(nn.Module):
     features = forward
 
 
+# Attention implementations that treat "no mask" as causal (is_causal=True kernels).
+_CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+# A name registered with transformers' AttentionInterface but not with its mask functions: a decoder
+# whose config carries it skips mask construction (returns None), which otherwise reads the position
+# ids back to the host to detect packed sequences -- a sync in every step.
+_NO_MASK_IMPL = "dflash_causal_no_mask"
+
+
 def _truncated_decoder(decoder: nn.Module, num_layers: int) -> nn.Module:
-    """A shallow copy of an HF decoder that runs only its first `num_layers` layers (shared weights)."""
+    """A shallow copy of an HF decoder that runs only its first `num_layers` layers (shared weights).
+
+    The copy's config names `_NO_MASK_IMPL`, so its forward builds no mask; its layers keep their own
+    config (the original implementation), and with no mask an sdpa/flash layer attends causally.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer_impl = decoder.config._attn_implementation
+    if layer_impl not in _CAUSAL_WITHOUT_MASK:
+        raise ValueError(
+            f"target attention implementation {layer_impl!r} is not supported for feature capture: load the "
+            "target with attn_implementation='sdpa' (or a flash-attention implementation)"
+        )
+    if "sliding_attention" in (getattr(decoder.config, "layer_types", None) or []):
+        raise ValueError("targets with sliding-window layers are not supported yet: their windowed mask "
+                         "cannot be expressed without a mask tensor")
+    AttentionInterface.register(_NO_MASK_IMPL, sdpa_attention_forward)
     trunk = copy.copy(decoder)
     trunk._modules = dict(decoder._modules)  # own module table, so the original keeps all its layers
     trunk.layers = nn.ModuleList(list(decoder.layers)[:num_layers])
     trunk.config = copy.deepcopy(decoder.config)
     trunk.config.num_hidden_layers = num_layers
+    trunk.config._attn_implementation = _NO_MASK_IMPL
     if getattr(trunk.config, "layer_types", None) is not None:
         trunk.config.layer_types = list(trunk.config.layer_types)[:num_layers]
     return trunk

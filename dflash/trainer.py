@@ -37,6 +37,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def configured_mask_token(config: TrainConfig) -> int | str | None:
+    """`draft.mask_token_id`, or the embedded default's reserved token when the target is embedded."""
+    if config.draft.mask_token_id is not None or config.target != "embedded":
+        return config.draft.mask_token_id
+    from dflash.embedded import EMBEDDED_MASK_TOKEN
+
+    return EMBEDDED_MASK_TOKEN
+
+
 def load_target(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """(model, tokenizer) for "embedded" or any HF model id / local path."""
     if name == "embedded":
@@ -77,7 +86,7 @@ class DFlashTrainer:
 
         if draft is None:
             vocab_rows = target.get_input_embeddings().weight.shape[0]
-            mask_id = resolve_mask_token_id(tokenizer, vocab_rows, ds.mask_token_id)
+            mask_id = resolve_mask_token_id(tokenizer, vocab_rows, configured_mask_token(config))
             draft_cfg = DFlashDraftConfig.for_target(
                 target.config,
                 mask_token_id=mask_id,

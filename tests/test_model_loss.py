@@ -16,7 +16,6 @@ from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_target_
 from dflash.target import FrozenTarget, resolve_mask_token_id
 from dflash.trainer import DFlashTrainer
 
-
 # ---- labels and weights ----------------------------------------------------------------------
 
 
