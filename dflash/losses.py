@@ -25,6 +25,20 @@ class BlockTargets:
     valid: torch.Tensor  # bool: a supervised label exists (keep, inside S, loss_mask, slot >= 1)
 
 
+def block_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions `a + k` of every slot, clamped to a safe index, and whether they lie inside S. `[B, N, bs]`."""
+    pos = anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
+    return pos.clamp(max=seq_len - 1), pos < seq_len
+
+
+def block_labels(label_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`label_ids[b, a + k]` for every slot (0 where not valid). `label_ids`: `[B, S]` token ids, the
+    data itself or the target's greedy next tokens (`data.labels: target`)."""
+    safe, _ = block_positions(anchors, valid.shape[-1], label_ids.shape[1])
+    labels = torch.gather(label_ids, 1, safe.flatten(1)).view_as(safe)
+    return torch.where(valid, labels, 0)
+
+
 def block_targets(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -33,19 +47,17 @@ def block_targets(
     block_size: int,
     gamma: float,
 ) -> BlockTargets:
-    """Labels, weights and validity for blocks anchored at `anchors` `[B, N]` in `input_ids` `[B, S]`."""
-    seq_len = input_ids.shape[1]
+    """Labels, weights and validity for blocks anchored at `anchors` `[B, N]` in `input_ids` `[B, S]`.
+
+    Weights and validity depend only on positions and `loss_mask`, never on label values, so the
+    trainer can form the loss denominator before any forward pass.
+    """
+    safe, inside = block_positions(anchors, block_size, input_ids.shape[1])
     slots = torch.arange(block_size, device=input_ids.device)
-    pos = anchors.unsqueeze(-1) + slots  # [B, N, bs]
-    inside = pos < seq_len
-    safe = pos.clamp(max=seq_len - 1).flatten(1)  # [B, N*bs]
-    labels = torch.gather(input_ids, 1, safe).view_as(pos)
-    supervised = torch.gather(loss_mask.bool(), 1, safe).view_as(pos)
+    supervised = torch.gather(loss_mask.bool(), 1, safe.flatten(1)).view_as(safe)
     valid = keep.unsqueeze(-1) & inside & supervised & (slots > 0)
     decay = torch.exp(-(slots.float() - 1).clamp(min=0) / gamma)
-    weights = valid.float() * decay
-    labels = torch.where(valid, labels, 0)
-    return BlockTargets(labels=labels, weights=weights, valid=valid)
+    return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=valid.float() * decay, valid=valid)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

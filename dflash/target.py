@@ -41,6 +41,7 @@ class FrozenTarget(nn.Module):
         self.layer_ids = list(layer_ids)
         self._trunk = _truncated_decoder(model.get_decoder(), max(self.layer_ids) + 1)
         self._captured: dict[int, torch.Tensor] = {}
+        self._full: nn.Module | None = None  # all layers, built on first use of features_and_greedy
         for i in set(self.layer_ids):
             self._trunk.layers[i].register_forward_hook(self._capture_hook(i))
         head = model.get_output_embeddings()
@@ -91,9 +92,30 @@ class FrozenTarget(nn.Module):
         position is exact, and HF's padding-mask path would read the mask back to the host (a sync).
         """
         self._trunk(input_ids=input_ids, use_cache=False)
+        return self._take_features()
+
+    def _take_features(self) -> torch.Tensor:
         feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return feats
+
+    @torch.no_grad()
+    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features and the target's own greedy next-token labels `[B, S]` (for `data.labels: target`).
+
+        `labels[:, p]` = argmax of the target's logits at p - 1 (position 0 keeps its token). Runs all
+        layers and the LM head, in sequence chunks so `[B, S, V]` logits never exist at once.
+        """
+        if self._full is None:
+            self._full = _truncated_decoder(self.model.get_decoder(), self.num_layers)
+        last = self._full(input_ids=input_ids, use_cache=False).last_hidden_state  # final-normed
+        feats = self._take_features()
+        greedy = torch.empty_like(input_ids)
+        greedy[:, :1] = input_ids[:, :1]
+        for start in range(0, input_ids.shape[1] - 1, chunk):
+            end = min(start + chunk, input_ids.shape[1] - 1)
+            greedy[:, start + 1 : end + 1] = (last[:, start:end] @ self.lm_head_weight.t()).argmax(dim=-1)
+        return feats, greedy
 
     features = forward
 

@@ -9,20 +9,26 @@ The only host reads happen in `Metrics.flush()` at a log interval, at checkpoint
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from dflash.anchors import anchor_seed, sample_anchors
 from dflash.attention import dense_dflash_mask, flex_dflash_mask
 from dflash.config import TrainConfig
-from dflash.losses import BlockTargets, accepted_prefix_length, block_targets, linear_cross_entropy
+from dflash.losses import BlockTargets, accepted_prefix_length, block_labels, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_decay_gamma
 from dflash.target import FrozenTarget, resolve_mask_token_id
 
 Batch = dict[str, torch.Tensor]
+log = logging.getLogger("dflash")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -129,6 +135,8 @@ class DFlashTrainer:
         )
         self.lr.copy_(self._lr_at(self.step_t))
         self.metrics = Metrics(self.block_size, self.device)
+        self.data_epoch = 0  # data position (host counters): epoch and loader batches consumed in it
+        self.data_batches = 0
         self.anchor_generator = torch.Generator(device=self.device)
 
     # ---- schedule ---------------------------------------------------------------------------
@@ -177,8 +185,13 @@ class DFlashTrainer:
                    targets: BlockTargets) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of weighted CE over the blocks (differentiable) and per-slot correctness `[B, N, bs-1]`."""
         bsz, seq_len = input_ids.shape
+        labels = targets.labels
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            features = self.target(input_ids)  # [B, S, K*H], no grad
+            if self.config.data.labels == "target":  # learn the target's greedy next token at each position
+                features, greedy = self.target.features_and_greedy(input_ids)
+                labels = block_labels(greedy, anchors, targets.valid)
+            else:
+                features = self.target(input_ids)  # [B, S, K*H], no grad
             block_ids, positions = self.block_inputs(input_ids, anchors)
             hidden = self.draft(self.target.embed(block_ids), positions, self._mask(anchors, keep, seq_len),
                                 target_hidden=features)  # [B, N*bs, H]
@@ -187,11 +200,29 @@ class DFlashTrainer:
         loss_sum, correct = linear_cross_entropy(
             scored.reshape(-1, scored.shape[-1]),
             self.target.lm_head_weight,
-            targets.labels[..., 1:].reshape(-1),
+            labels[..., 1:].reshape(-1),
             targets.weights[..., 1:].reshape(-1),
             self.config.ce_chunk_size,
         )
         return loss_sum, correct.view(bsz, self.num_anchors, self.block_size - 1)
+
+    @staticmethod
+    def _accumulate(m: Metrics, loss_sum: torch.Tensor, correct: torch.Tensor, keep: torch.Tensor,
+                    targets: BlockTargets) -> None:
+        """Add one micro-batch's sums to `m` (device ops only)."""
+        valid = targets.valid[..., 1:]
+        hits = correct & valid
+        m.add("loss_sum", loss_sum)
+        m.add("weight_sum", targets.weights.sum())
+        m.add("correct", hits.sum())
+        m.add("scored", valid.sum())
+        m.add("pos_correct", hits.sum(dim=(0, 1)))
+        m.add("pos_scored", valid.sum(dim=(0, 1)))
+        m.add("accepted", (accepted_prefix_length(correct, valid) * keep).sum())
+        m.add("blocks", keep.sum())
+        m.add("anchors_total", float(keep.numel()))
+        m.add("rows_total", float(keep.shape[0]))
+        m.add("rows_skipped", (~keep.any(dim=1)).sum())
 
     def train_step(self, batch: Batch | list[Batch]) -> None:
         """One optimizer step over `grad_accum` micro-batches. Makes no host-device sync."""
@@ -213,19 +244,7 @@ class DFlashTrainer:
             loss_sum, correct = self.block_loss(mb["input_ids"], anchors, keep, targets)
             (loss_sum / denominator).backward()
 
-            valid = targets.valid[..., 1:]
-            hits = correct & valid
-            m.add("loss_sum", loss_sum)
-            m.add("weight_sum", targets.weights.sum())
-            m.add("correct", hits.sum())
-            m.add("scored", valid.sum())
-            m.add("pos_correct", hits.sum(dim=(0, 1)))
-            m.add("pos_scored", valid.sum(dim=(0, 1)))
-            m.add("accepted", (accepted_prefix_length(correct, valid) * keep).sum())
-            m.add("blocks", keep.sum())
-            m.add("anchors_total", float(keep.numel()))
-            m.add("rows_total", float(keep.shape[0]))
-            m.add("rows_skipped", (~keep.any(dim=1)).sum())
+            self._accumulate(m, loss_sum, correct, keep, targets)
 
         # 3) Update. clip_grad_norm_ without error_if_nonfinite: that flag reads the norm to the host.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.optim.max_grad_norm, foreach=True)
@@ -237,3 +256,178 @@ class DFlashTrainer:
         self.step_t.add_(1)
         self.lr.copy_(self._lr_at(self.step_t))
         self.step += 1
+
+    # ---- evaluation (a sync point by design) ------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Any, *, max_batches: int | None = None) -> dict[str, Any]:
+        """Teacher-forced metrics on held-out rows: loss, accuracy, tau, per-position accuracy.
+
+        Anchors are drawn from a fixed seed, so evaluations at different steps see the same blocks.
+        """
+        from dflash.data import make_dataloader
+
+        loader = make_dataloader(dataset, self.config.batch_size, self._collator(), shuffle=False,
+                                 num_workers=0, drop_last=False)
+        metrics = Metrics(self.block_size, self.device)
+        generator = torch.Generator(device=self.device)
+        self.draft.eval()
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            ids = batch["input_ids"].to(self.device)
+            mask = batch["loss_mask"].to(self.device)
+            generator.manual_seed(anchor_seed(self.config.seed + 1, 0, i))
+            anchors, keep = sample_anchors(mask, self.num_anchors, generator=generator)
+            targets = block_targets(ids, mask, anchors, keep, self.block_size, self.gamma)
+            loss_sum, correct = self.block_loss(ids, anchors, keep, targets)
+            self._accumulate(metrics, loss_sum, correct, keep, targets)
+        metrics.add("steps", 1.0)
+        out = metrics.flush()
+        return {k: v for k, v in out.items() if k not in ("grad_norm", "lr", "nonfinite_skips")}
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs besides the draft weights (anchors derive from the step)."""
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "metrics": self.metrics.state_dict(),
+            "data_epoch": self.data_epoch,
+            "data_batches": self.data_batches,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        # load_state_dict replaces the lr tensor in param_groups by a copy: put ours back.
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        self.step_t.fill_(self.step)
+        self.lr.copy_(self._lr_at(self.step_t))
+        self.metrics.load_state_dict(state["metrics"])
+        self.data_epoch, self.data_batches = int(state["data_epoch"]), int(state["data_batches"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+    def save(self) -> Path:
+        """SYNC POINT: an atomic checkpoint of the current step under `output_dir/checkpoints`."""
+        from dflash.checkpoint import save_checkpoint
+
+        path = save_checkpoint(self.config.output_dir, self.step, self.draft.state_dict(), self.draft_config.to_dict(),
+                               self.state_dict(), keep_last=self.config.keep_last)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def resume(self, path: str | Path) -> None:
+        from dflash.checkpoint import load_checkpoint
+
+        draft_state, _, state = load_checkpoint(path, self.device)
+        self.draft.load_state_dict(draft_state)
+        self.load_state_dict(state)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ---- the run ----------------------------------------------------------------------------
+
+    def _collator(self):
+        from dflash.data import Collator
+
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(self.tokenizer, "eos_token_id", None) or 0
+        return Collator(pad, self.config.data.bucket_multiple, self.config.data.max_length)
+
+    def _datasets(self) -> tuple[Any, Any]:
+        """(train, held-out) tokenized datasets: the user's `dataset`, or the configured recipe."""
+        from dflash.corpus import prepare_corpus
+        from dflash.data import build_dataset
+
+        if self.dataset is None:
+            corpus = prepare_corpus(self.config.data, self.tokenizer, self.target.model, self.config.target)
+            return corpus.train, corpus.eval
+        if isinstance(self.dataset, tuple):
+            return self.dataset
+        columns = getattr(self.dataset, "column_names", None) or []
+        if "input_ids" in columns:
+            return self.dataset, None
+        return build_dataset(self.dataset, self.tokenizer, self.config.data.max_length), None
+
+    def _device_batches(self, dataset: Any) -> Iterator[Batch]:
+        """Endless device batches, epoch after epoch, resuming at (data_epoch, data_batches).
+
+        Batches come pinned from DataLoader workers and are copied one ahead (`non_blocking`).
+        """
+        from dflash.data import DevicePrefetcher, make_dataloader
+
+        rows = self.config.batch_size * self.config.optim.grad_accum
+        if len(dataset) < rows:
+            raise ValueError(f"the training set has {len(dataset)} rows, fewer than one step needs ({rows}): "
+                             "lower batch_size / optim.grad_accum or add data")
+        while True:
+            loader = make_dataloader(dataset, rows, self._collator(), seed=self.config.seed, epoch=self.data_epoch,
+                                     skip_batches=self.data_batches, num_workers=self.config.data.num_workers)
+            for batch in DevicePrefetcher(loader, self.device):
+                self.data_batches += 1
+                yield batch
+            self.data_epoch, self.data_batches = self.data_epoch + 1, 0
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `max_steps`: log at `log_interval`, evaluate at `eval_interval`, save at `save_interval`.
+
+        Returns a summary (final train metrics, held-out metrics, paths). Syncs happen only at the
+        log flush, evaluation and checkpoints.
+        """
+        from tqdm.auto import tqdm
+
+        from dflash.checkpoint import resolve_resume
+        from dflash.reporting import Reporter
+
+        cfg = self.config
+        run_dir = Path(cfg.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        resume = resolve_resume(cfg.resume_from, run_dir)
+        if resume is not None:
+            self.resume(resume)
+        train_ds, eval_ds = self._datasets()
+        reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0)
+        self.history: list[dict[str, Any]] = []
+        batches = self._device_batches(train_ds)
+        progress = tqdm(total=cfg.max_steps, initial=self.step, disable=not cfg.progress_bar or self.rank != 0,
+                        desc="dflash train", dynamic_ncols=True)
+        window_start, window_tokens, last = time.perf_counter(), 0, {}
+        while self.step < cfg.max_steps:
+            batch = next(batches)
+            window_tokens += batch["input_ids"].numel()  # a host-known shape, not a device read
+            self.train_step(batch)
+            progress.update(1)
+            if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                last = self.metrics.flush()  # SYNC POINT: the log interval
+                elapsed = time.perf_counter() - window_start
+                last["tokens_per_s"] = window_tokens / elapsed
+                last["supervised_tokens_per_s"] = last["supervised_tokens"] / elapsed
+                self._record(reporter, last)
+                progress.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
+                                     tok_s=f"{last['tokens_per_s']:.0f}")
+                window_start, window_tokens = time.perf_counter(), 0
+            if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
+                self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
+            if cfg.save_interval and self.step % cfg.save_interval == 0:
+                self.save()
+        progress.close()
+        checkpoint = self.save()
+        summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
+        if eval_ds is not None:
+            held_out = self.evaluate(eval_ds)
+            self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
+            summary["held_out"] = held_out
+        reporter.close()
+        return summary
+
+    def _record(self, reporter: Any, metrics: dict[str, Any]) -> None:
+        self.history.append({"step": self.step, **metrics})
+        reporter.log(self.step, metrics, self.config.max_steps)

