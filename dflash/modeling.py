@@ -30,8 +30,8 @@ def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
         raise ValueError(f"need at least one target layer id, got {num_ids}")
     if num_ids == 1:
         return [num_target_layers // 2]
-    if num_target_layers < 5:  # tiny targets: spread evenly over the layers that exist
-        return [round(j * (num_target_layers - 1) / (num_ids - 1)) for j in range(num_ids)]
+    if num_target_layers < 5:  # tiny targets: spread over 0..L-2 (layer L-1's HF hidden state is post-norm)
+        return [round(j * max(0, num_target_layers - 2) / (num_ids - 1)) for j in range(num_ids)]
     return [round(1 + j * (num_target_layers - 4) / (num_ids - 1)) for j in range(num_ids)]
 
 

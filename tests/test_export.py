@@ -1,0 +1,228 @@
+"""The published checkpoint format (DESIGN §5): config fields, exact tensor names, bf16, round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from conftest import TINY_MASK_ID, make_tiny_target
+from dflash.export import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_compatible,
+    draft_config_from_json,
+    expected_weight_names,
+    export_draft,
+    load_exported,
+)
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target()
+
+
+def _draft(target, **overrides) -> DFlashDraftModel:
+    torch.manual_seed(0)
+    cfg = DFlashDraftConfig.for_target(target.config, mask_token_id=TINY_MASK_ID, num_hidden_layers=LAYERS,
+                                       block_size=4, **overrides)
+    draft = DFlashDraftModel(cfg)
+    with torch.no_grad():  # non-trivial norms, so a swapped or missing norm weight would show
+        for p in draft.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return draft.eval()
+
+
+def _inputs(cfg: DFlashDraftConfig):
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, 10, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g)
+    noise = torch.randn(1, cfg.block_size, cfg.hidden_size, generator=g)
+    pos = torch.arange(10, 10 + cfg.block_size).unsqueeze(0)
+    return noise, pos, feats
+
+
+# ---- the files -------------------------------------------------------------------------------------
+
+
+def test_config_json_has_every_published_field(target, tmp_path):
+    draft = _draft(target)
+    export_draft(draft, tmp_path)
+    cfg = json.loads((tmp_path / CONFIG_NAME).read_text())
+    c = draft.config
+    expected = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 64,  # the target's
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": 128,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "layer_types": ["full_attention"] * LAYERS,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "block_size": 4,
+        "num_target_layers": 4,
+        "dflash_config": {"mask_token_id": TINY_MASK_ID, "target_layer_ids": c.target_layer_ids},
+    }
+    for key, value in expected.items():
+        assert cfg[key] == value, key
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+def test_safetensors_names_are_exactly_the_published_ones_in_bf16(target, tmp_path):
+    draft = _draft(target)
+    export_draft(draft, tmp_path)
+    with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
+        names = set(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+        assert f.metadata() == {"format": "pt"}  # what HF from_pretrained expects
+    per_layer = {
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight",
+    }
+    spelled_out = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}" for i in range(LAYERS) for n in per_layer}
+    assert names == spelled_out == expected_weight_names(LAYERS)  # no extra, none missing
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    k = len(draft.config.target_layer_ids)
+    assert tensors["fc.weight"].shape == (64, k * 64)
+    for name, p in draft.state_dict().items():
+        assert torch.equal(tensors[name], p.to(torch.bfloat16)), name
+
+
+def test_round_trip_gives_identical_outputs(target, tmp_path):
+    draft = _draft(target, target_layer_ids=[1, 2])
+    draft.config.extra = {"projector_type": "dflash", "custom_key": 3}
+    export_draft(draft, tmp_path)
+    loaded = load_exported(tmp_path, target_model=target)
+    assert loaded.config == draft.config  # extra keys survive under dflash_config
+    assert next(loaded.parameters()).dtype == torch.float32 and not loaded.training
+    reference = DFlashDraftModel(draft.config)
+    reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in draft.state_dict().items()})
+    noise, pos, feats = _inputs(draft.config)
+    with torch.no_grad():
+        out = loaded(noise, pos, None, target_hidden=feats)
+        torch.testing.assert_close(out, reference(noise, pos, None, target_hidden=feats), rtol=0, atol=0)
+        # and close to the fp32 original (bf16 rounding of the weights only)
+        torch.testing.assert_close(out, draft(noise, pos, None, target_hidden=feats), rtol=0.05, atol=0.05)
+    bf16 = load_exported(tmp_path, dtype=torch.bfloat16)
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_key_set_mismatch_is_named(target, tmp_path):
+    export_draft(_draft(target), tmp_path)
+    state = load_file(str(tmp_path / WEIGHTS_NAME))
+    state.pop("layers.1.mlp.up_proj.weight")
+    state["model.embed_tokens.weight"] = torch.zeros(128, 64, dtype=torch.bfloat16)
+    save_file(state, str(tmp_path / WEIGHTS_NAME), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['layers.1.mlp.up_proj.weight'\], "
+                                         r"unexpected \['model.embed_tokens.weight'\]"):
+        load_exported(tmp_path)
+
+
+def test_shape_mismatch_and_unsupported_config_are_refused(target, tmp_path):
+    export_draft(_draft(target), tmp_path)
+    cfg = json.loads((tmp_path / CONFIG_NAME).read_text())
+    cfg["intermediate_size"] += 2
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight"):
+        load_exported(tmp_path)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        draft_config_from_json({**cfg, "layer_types": ["sliding_attention"] * LAYERS})
+    with pytest.raises(ValueError, match="missing"):
+        draft_config_from_json({"model_type": "qwen3", "hidden_size": 64})
+    with pytest.raises(FileNotFoundError):
+        load_exported(tmp_path / "nowhere")
+
+
+# ---- compatibility with a target -------------------------------------------------------------------
+
+
+def test_mismatched_target_gives_a_clear_error(target, tmp_path):
+    draft = _draft(target)
+    check_compatible(draft.config, target)  # fine
+    with pytest.raises(ValueError, match="hidden size: draft 64, target 32"):
+        check_compatible(draft.config, make_tiny_target(hidden=32))
+    with pytest.raises(ValueError, match="number of layers: .*num_target_layers=4, this target has 6"):
+        check_compatible(draft.config, make_tiny_target(num_layers=6))
+    with pytest.raises(ValueError, match="out of range for 2 layers"):
+        check_compatible(draft.config, make_tiny_target(num_layers=2))
+    with pytest.raises(ValueError, match="embedding has 96 rows"):
+        check_compatible(draft.config, make_tiny_target(vocab=96))
+    export_draft(draft, tmp_path)
+    with pytest.raises(ValueError, match="hidden size"):
+        load_exported(tmp_path, target_model=make_tiny_target(hidden=32))
+
+
+# ---- what other readers see ------------------------------------------------------------------------
+
+
+def test_qwen3_config_parses_the_export(target, tmp_path):
+    from transformers import AutoConfig, Qwen3Config
+
+    draft = _draft(target)
+    draft.config.extra = {"projector_type": "domino", "emb_dim": 32}
+    export_draft(draft, tmp_path)
+    for cfg in (Qwen3Config.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        assert isinstance(cfg, Qwen3Config)
+        assert cfg.architectures == ["DFlashDraftModel"]
+        assert cfg.dflash_config == {"mask_token_id": TINY_MASK_ID, "target_layer_ids": draft.config.target_layer_ids,
+                                     "projector_type": "domino", "emb_dim": 32}
+        assert cfg.block_size == 4 and cfg.num_target_layers == 4
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.vocab_size) == (64, LAYERS, 16, 128)
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+        assert cfg.intermediate_size == draft.config.intermediate_size
+        assert cfg.layer_types == ["full_attention"] * LAYERS
+        theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+        assert theta == draft.config.rope_theta
+        assert cfg.tie_word_embeddings is False
+
+
+class _Qwen3StyleDFlash(nn.Module):
+    """What a reader built only from the parsed Qwen3Config expects: transformers' own Qwen3 decoder
+    layers under `layers.N`, plus `fc`, `hidden_norm`, `norm` (the reference DFlash module's layout)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        k = len(cfg.dflash_config["target_layer_ids"])
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+def test_a_qwen3_style_dflash_module_loads_the_weights_strictly(target, tmp_path):
+    from transformers import Qwen3Config
+
+    draft = _draft(target)
+    export_draft(draft, tmp_path)
+    reader = _Qwen3StyleDFlash(Qwen3Config.from_pretrained(tmp_path))
+    state = load_file(str(tmp_path / WEIGHTS_NAME))
+    want = {n: tuple(t.shape) for n, t in reader.state_dict().items()}
+    assert want == {n: tuple(t.shape) for n, t in state.items()}
+    reader.load_state_dict(state, strict=True)
+    # the same tensors reach the same modules
+    torch.testing.assert_close(reader.layers[1].self_attn.k_norm.weight,
+                               draft.layers[1].self_attn.k_norm.weight.to(torch.bfloat16).float())
