@@ -154,7 +154,7 @@ def test_proposals_equal_the_trainers_block_predictions(trained):
         feats = frozen(seq)
         for a in (1, 9, 17):
             anchors, keep = torch.tensor([[a]]), torch.tensor([[True]])
-            block_ids, pos = trained.block_inputs(seq, anchors)
+            block_ids, pos = trained.objective.block_inputs(seq, anchors)
             hidden = draft(frozen.embed(block_ids), pos, dense_dflash_mask(anchors, keep, 24, BS), target_hidden=feats)
             expected = (hidden[:, 1:] @ frozen.lm_head_weight.t()).argmax(-1)
             context = sp.DraftContextCache(draft, capacity=32)

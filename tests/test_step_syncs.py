@@ -23,13 +23,13 @@ def test_five_steps_with_grad_accumulation_make_no_sync():
 
 def test_a_planted_sync_in_the_step_is_caught(monkeypatch):
     trainer = DFlashTrainer(tiny_config(), target=make_tiny_target(), tokenizer=None)
-    original = trainer.block_loss
+    original = trainer.objective.forward
 
     def leaky(*args, **kwargs):
-        loss, correct = original(*args, **kwargs)
-        loss.item()  # what a per-step log line would do
-        return loss, correct
+        out = original(*args, **kwargs)
+        out.loss_sum.item()  # what a per-step log line would do
+        return out
 
-    monkeypatch.setattr(trainer, "block_loss", leaky)
+    monkeypatch.setattr(trainer.objective, "forward", leaky)
     with pytest.raises(SyncError, match="_local_scalar_dense"), forbid_syncs():
         trainer.train_step(random_batch())

@@ -1,0 +1,178 @@
+"""The block objective: frozen target + trainable draft -> weighted block CE for one micro-batch.
+
+`DFlashObjective` is the piece every entry point shares: `DFlashTrainer.train_step`, the
+`transformers.Trainer` module (`dflash.hf`) and evaluation. It owns the frozen target, the draft,
+how blocks are built and how their loss is computed; the trainer owns the loop and the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.anchors import sample_anchors
+from dflash.attention import dense_dflash_mask, flex_dflash_mask
+from dflash.config import TrainConfig
+from dflash.losses import BlockTargets, accepted_prefix_length, block_labels, block_targets, linear_cross_entropy
+from dflash.metrics import Metrics
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_decay_gamma
+from dflash.target import FrozenTarget, resolve_mask_token_id
+
+
+@dataclass
+class BlockOutput:
+    """What one micro-batch's forward produces. `loss_sum` is the differentiable numerator of the
+    global token mean; everything else is detached and only feeds metric sums."""
+
+    loss_sum: torch.Tensor  # [] fp32, sum of weighted CE (Domino: the lambda mix)
+    ce_sum: torch.Tensor  # [] weighted CE of the final logits, for the reported loss
+    correct: torch.Tensor  # [B, N, bs-1] bool: argmax == label, slots 1..bs-1
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # variant metric sums (Domino)
+
+
+def configured_mask_token(config: TrainConfig) -> int | str | None:
+    """`draft.mask_token_id`, or the embedded default's reserved token when the target is embedded."""
+    if config.draft.mask_token_id is not None or config.target != "embedded":
+        return config.draft.mask_token_id
+    from dflash.embedded import EMBEDDED_MASK_TOKEN
+
+    return EMBEDDED_MASK_TOKEN
+
+
+def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlashDraftModel:
+    """A fresh draft shaped for `target_model` from the `draft` section of `config`."""
+    ds = config.draft
+    vocab_rows = target_model.get_input_embeddings().weight.shape[0]
+    mask_id = resolve_mask_token_id(tokenizer, vocab_rows, configured_mask_token(config))
+    draft_cfg = DFlashDraftConfig.for_target(
+        target_model.config,
+        mask_token_id=mask_id,
+        num_hidden_layers=ds.num_layers,
+        target_layer_ids=ds.target_layer_ids,
+        block_size=ds.block_size,
+        num_attention_heads=ds.num_attention_heads,
+        num_key_value_heads=ds.num_key_value_heads,
+        head_dim=ds.head_dim,
+        intermediate_size=ds.intermediate_size,
+    )
+    return DFlashDraftModel(draft_cfg)
+
+
+class DFlashObjective(nn.Module):
+    """Block losses of a DFlash draft against a frozen target.
+
+    Args:
+        target: the frozen target (features, embedding, LM head).
+        draft: the trainable draft; its config fixes block size and mask token.
+        num_anchors: N, anchors per row (fixed width).
+        attention: "sdpa" (dense boolean mask) or "flex" (BlockMask; GPU).
+        dtype: compute dtype; below fp32 the forward runs under autocast, the draft stays fp32.
+    """
+
+    def __init__(self, target: FrozenTarget, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
+                 dtype: torch.dtype = torch.float32, gamma: float | None = None, ce_chunk_size: int = 4096,
+                 labels: str = "data") -> None:
+        super().__init__()
+        if target.hidden_size != draft.config.hidden_size:
+            raise ValueError(
+                f"draft hidden_size {draft.config.hidden_size} != target hidden_size {target.hidden_size}: "
+                "a DFlash draft shares the target's embedding and LM head, so they must match"
+            )
+        self.target, self.draft = target, draft
+        self.block_size = draft.config.block_size
+        self.num_anchors = num_anchors
+        self.attention = attention
+        self.dtype = dtype
+        self.gamma = gamma or default_decay_gamma(self.block_size)
+        self.ce_chunk_size = ce_chunk_size
+        self.labels = labels
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
+                    dtype: torch.dtype, draft: DFlashDraftModel | None = None) -> DFlashObjective:
+        draft = draft if draft is not None else build_draft(config, target_model, tokenizer)
+        target = FrozenTarget(target_model, draft.config.target_layer_ids).to(device, dtype)
+        ds = config.draft
+        attention = ds.attention if ds.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+        # Draft weights stay fp32 (AdamW master weights); on GPU the forward runs under bf16 autocast.
+        return cls(target, draft.to(device, torch.float32), num_anchors=ds.num_anchors, attention=attention,
+                   dtype=dtype, gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels)
+
+    def train(self, mode: bool = True) -> DFlashObjective:
+        self.draft.train(mode)  # the target stays in eval mode (FrozenTarget.train)
+        return self
+
+    # ---- blocks ---------------------------------------------------------------------------
+
+    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+        """Anchors `[B, N]`, keep `[B, N]` and block targets for one micro-batch (no forward pass)."""
+        anchors, keep = sample_anchors(loss_mask, self.num_anchors, generator=generator)
+        return anchors, keep, block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma)
+
+    def mask(self, anchors: torch.Tensor, keep: torch.Tensor, seq_len: int) -> Any:
+        if self.attention == "flex":
+            return flex_dflash_mask(anchors, keep, seq_len, self.block_size)
+        return dense_dflash_mask(anchors, keep, seq_len, self.block_size)
+
+    def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block token ids and positions, both `[B, N*bs]`: slot 0 = token at the anchor, then mask tokens."""
+        slots = torch.arange(self.block_size, device=input_ids.device)
+        first = torch.gather(input_ids, 1, anchors).unsqueeze(-1)  # [B, N, 1]
+        ids = torch.where(slots == 0, first, self.draft.config.mask_token_id)
+        return ids.flatten(1), (anchors.unsqueeze(-1) + slots).flatten(1)
+
+    def draft_hidden(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                     targets: BlockTargets) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft states `[B, N, bs, H]` of every block and the labels `[B, N, bs]` they are scored on."""
+        bsz, seq_len = input_ids.shape
+        labels = targets.labels
+        with torch.autocast(input_ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            if self.labels == "target":  # learn the target's greedy next token at each position
+                features, greedy = self.target.features_and_greedy(input_ids)
+                labels = block_labels(greedy, anchors, targets.valid)
+            else:
+                features = self.target(input_ids)  # [B, S, K*H], no grad
+            block_ids, positions = self.block_inputs(input_ids, anchors)
+            hidden = self.draft(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
+                                target_hidden=features)  # [B, N*bs, H]
+        return hidden.view(bsz, self.num_anchors, self.block_size, -1), labels
+
+    def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                targets: BlockTargets) -> BlockOutput:
+        hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets)
+        # Slot 0 is never scored: drop it before the LM head (1/bs of the head's FLOPs).
+        scored = hidden[:, :, 1:]
+        loss_sum, correct = linear_cross_entropy(
+            scored.reshape(-1, scored.shape[-1]),
+            self.target.lm_head_weight,
+            labels[..., 1:].reshape(-1),
+            targets.weights[..., 1:].reshape(-1),
+            self.ce_chunk_size,
+        )
+        correct = correct.view(*scored.shape[:3])
+        return BlockOutput(loss_sum=loss_sum, ce_sum=loss_sum.detach(), correct=correct)
+
+    # ---- metrics --------------------------------------------------------------------------
+
+    @staticmethod
+    def accumulate(m: Metrics, out: BlockOutput, keep: torch.Tensor, targets: BlockTargets) -> None:
+        """Add one micro-batch's sums to `m` (device ops only)."""
+        valid = targets.valid[..., 1:]
+        hits = out.correct & valid
+        m.add("loss_sum", out.ce_sum)
+        m.add("weight_sum", targets.weights.sum())
+        m.add("correct", hits.sum())
+        m.add("scored", valid.sum())
+        m.add("pos_correct", hits.sum(dim=(0, 1)))
+        m.add("pos_scored", valid.sum(dim=(0, 1)))
+        m.add("accepted", (accepted_prefix_length(out.correct, valid) * keep).sum())
+        m.add("blocks", keep.sum())
+        m.add("anchors_total", float(keep.numel()))
+        m.add("rows_total", float(keep.shape[0]))
+        m.add("rows_skipped", (~keep.any(dim=1)).sum())
+        for name, value in out.extras.items():
+            m.add(name, value)
