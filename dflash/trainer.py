@@ -23,7 +23,7 @@ from dflash.anchors import anchor_seed
 from dflash.config import TrainConfig
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
-from dflash.objective import DFlashObjective
+from dflash.objective import build_objective
 
 Batch = dict[str, torch.Tensor]
 log = logging.getLogger("dflash")
@@ -77,8 +77,7 @@ class DFlashTrainer:
             target, loaded_tok = load_target(config.target, self.dtype)
             tokenizer = tokenizer or loaded_tok
         self.tokenizer, self.dataset, self.rank = tokenizer, dataset, rank
-        self.objective = DFlashObjective.from_config(config, target, tokenizer, device=self.device, dtype=self.dtype,
-                                                     draft=draft)
+        self.objective = build_objective(config, target, tokenizer, device=self.device, dtype=self.dtype, draft=draft)
         self.target, self.draft = self.objective.target, self.objective.draft
         self.draft_config = self.draft.config
         self.block_size = self.objective.block_size
@@ -98,7 +97,7 @@ class DFlashTrainer:
             fused=True,  # reads lr and step from device tensors: no host read, graph-capturable
         )
         self.lr.copy_(self._lr_at(self.step_t))
-        self.metrics = Metrics(self.block_size, self.device)
+        self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         self.data_epoch = 0  # data position (host counters): epoch and loader batches consumed in it
         self.data_batches = 0
         self.anchor_generator = torch.Generator(device=self.device)
@@ -174,7 +173,7 @@ class DFlashTrainer:
 
         loader = make_dataloader(dataset, self.config.batch_size, self._collator(), shuffle=False,
                                  num_workers=0, drop_last=False)
-        metrics = Metrics(self.block_size, self.device)
+        metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         generator = torch.Generator(device=self.device)
         self.objective.eval()
         for i, batch in enumerate(loader):
