@@ -90,7 +90,10 @@ class TrainConfig:
     batch_size: int = 8  # rows per micro-batch (per rank)
     ce_chunk_size: int = 4096  # tokens per LM-head pass in the chunked CE
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    param_dtype: str = "float32"  # draft weights and AdamW state: float32 (master weights) | bfloat16
+    compile: bool = False  # torch.compile the draft (flex attention is always compiled on GPU)
+    cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
     output_dir: str = "runs/dflash"
     log_interval: int = 10  # steps between metric flushes (the only sync of a normal step)
     eval_interval: int = 0  # steps between held-out evaluations (0: only at the end)
@@ -137,6 +140,7 @@ class TrainConfig:
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
+            (self.param_dtype in ("float32", "bfloat16"), "param_dtype must be float32 or bfloat16"),
         ]
         errors = [msg for ok, msg in checks if not ok]
         if errors:

@@ -152,6 +152,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+_FLEX = None
+
+
+def _flex_attention():
+    """flex_attention compiled once: eager flex materializes the whole score matrix (slow, large)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DFlashDraftConfig) -> None:
         super().__init__()
@@ -180,10 +193,8 @@ class DraftAttention(nn.Module):
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
         if isinstance(mask, torch.Tensor) or mask is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:  # flex-attention BlockMask (GPU); compiled by the caller (torch.compile of the step)
-            from torch.nn.attention.flex_attention import flex_attention
-
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        else:  # flex-attention BlockMask (GPU)
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 

@@ -101,6 +101,8 @@ class DFlashObjective(nn.Module):
         self.gamma = gamma or default_decay_gamma(self.block_size)
         self.ce_chunk_size = ce_chunk_size
         self.labels = labels
+        # Kept out of the module tree (no duplicate state_dict keys); compile_draft() swaps it.
+        object.__setattr__(self, "_draft_call", draft)
 
     @classmethod
     def from_config(cls, config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
@@ -112,6 +114,10 @@ class DFlashObjective(nn.Module):
         # Draft weights stay fp32 (AdamW master weights); on GPU the forward runs under bf16 autocast.
         return cls(target, draft.to(device, torch.float32), num_anchors=ds.num_anchors, attention=attention,
                    dtype=dtype, gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels)
+
+    def compile_draft(self) -> None:
+        """torch.compile the draft forward (static shapes: fixed N, bucketed S)."""
+        object.__setattr__(self, "_draft_call", torch.compile(self.draft, dynamic=False))
 
     def train(self, mode: bool = True) -> DFlashObjective:
         self.draft.train(mode)  # the target stays in eval mode (FrozenTarget.train)
@@ -149,8 +155,8 @@ class DFlashObjective(nn.Module):
             else:
                 features = self.target(input_ids)  # [B, S, K*H], no grad
             block_ids, positions = self.block_inputs(input_ids, anchors)
-            hidden = self.draft(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
-                                target_hidden=features)  # [B, N*bs, H]
+            hidden = self._draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
+                                      target_hidden=features)  # [B, N*bs, H]
         return hidden.view(bsz, self.num_anchors, self.block_size, -1), labels
 
     def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,

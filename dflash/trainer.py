@@ -9,6 +9,7 @@ The only host reads happen in `Metrics.flush()` at a log interval, at checkpoint
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from dflash.anchors import anchor_seed
 from dflash.config import TrainConfig
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
-from dflash.objective import build_objective
+from dflash.objective import DFlashObjective, build_objective
 
 Batch = dict[str, torch.Tensor]
 log = logging.getLogger("dflash")
@@ -67,21 +68,31 @@ class DFlashTrainer:
         tokenizer: Any = None,
         dataset: Any = None,
         draft: DFlashDraftModel | None = None,
+        objective: DFlashObjective | None = None,
         rank: int = 0,
     ) -> None:
         self.config = config = config or TrainConfig()
         config.validate()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if target is None:
+        if target is None and objective is None:
             target, loaded_tok = load_target(config.target, self.dtype)
             tokenizer = tokenizer or loaded_tok
         self.tokenizer, self.dataset, self.rank = tokenizer, dataset, rank
-        self.objective = build_objective(config, target, tokenizer, device=self.device, dtype=self.dtype, draft=draft)
+        # A prebuilt objective (benchmarks, tests) replaces the target/draft construction.
+        self.objective = objective or build_objective(config, target, tokenizer, device=self.device, dtype=self.dtype,
+                                                      draft=draft)
         self.target, self.draft = self.objective.target, self.objective.draft
         self.draft_config = self.draft.config
         self.block_size = self.objective.block_size
         self.num_anchors = config.draft.num_anchors
+        if config.param_dtype == "bfloat16" and self.dtype != torch.bfloat16:
+            raise ValueError("param_dtype: bfloat16 needs dtype: bfloat16 (bf16 weights under an fp32 compute dtype)")
+        self.draft.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[config.param_dtype])
+        if config.compile:
+            self.objective.compile_draft()
+        if config.cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph: true needs a CUDA device")
 
         # Schedule state lives on the device: the lr tensor is shared with the optimizer and updated
         # in place, so changing it never copies a Python float to the device.
@@ -94,13 +105,19 @@ class DFlashTrainer:
             betas=(config.optim.beta1, config.optim.beta2),
             eps=config.optim.eps,
             weight_decay=config.optim.weight_decay,
-            fused=True,  # reads lr and step from device tensors: no host read, graph-capturable
+            fused=True,  # reads lr and step from device tensors: no host read
+            capturable=config.cuda_graph,  # the step counter stays on the device, so a graph can replay it
         )
         self.lr.copy_(self._lr_at(self.step_t))
+        if hasattr(self.objective, "bind_schedule"):  # Domino's lambda follows the device step counter
+            self.objective.bind_schedule(self.step_t, config.max_steps)
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         self.data_epoch = 0  # data position (host counters): epoch and loader batches consumed in it
         self.data_batches = 0
         self.anchor_generator = torch.Generator(device=self.device)
+        self.anchor_generator.manual_seed(anchor_seed(config.seed, rank, 0))
+        self._graph: torch.cuda.CUDAGraph | None = None  # the captured step (cuda_graph: true)
+        self._static: list[Batch] = []
 
     # ---- schedule ---------------------------------------------------------------------------
 
@@ -133,14 +150,26 @@ class DFlashTrainer:
         return self.anchor_generator
 
     def train_step(self, batch: Batch | list[Batch]) -> None:
-        """One optimizer step over `grad_accum` micro-batches. Makes no host-device sync."""
-        micro = self._micro_batches(batch)
-        self.objective.train()
+        """One optimizer step over `grad_accum` micro-batches. Makes no host-device sync.
 
+        With `cuda_graph: true` the first call captures the whole step and later calls copy the batch
+        into the graph's static inputs and replay it (shapes must repeat: fixed N, bucketed S).
+        """
+        micro = self._micro_batches(batch)
+        if self.config.cuda_graph:
+            self._replay(micro)
+        else:
+            self._step(micro, reseed=True)
+        self.step += 1
+
+    def _step(self, micro: list[Batch], *, reseed: bool) -> None:
+        self.objective.train()
         # 1) Anchors and labels for the whole window first, so the loss denominator (the global
         #    supervised-weight sum) is a device tensor before the first backward.
-        plans = [self.objective.plan(mb["input_ids"], mb["loss_mask"], self._anchor_generator(i, len(micro)))
-                 for i, mb in enumerate(micro)]
+        plans = []
+        for i, mb in enumerate(micro):
+            generator = self._anchor_generator(i, len(micro)) if reseed else self.anchor_generator
+            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator))
         denominator = torch.stack([t.weights.sum() for _, _, t in plans]).sum().clamp(min=1e-6)
 
         # 2) Forward/backward per micro-batch; the loss of each is its share of the global mean.
@@ -156,10 +185,46 @@ class DFlashTrainer:
         m.add("lr", self.lr)
         m.add("steps", 1.0)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # A captured graph needs its gradient buffers to stay put: zero them instead of freeing them.
+        self.optimizer.zero_grad(set_to_none=not self.config.cuda_graph)
         self.step_t.add_(1)
         self.lr.copy_(self._lr_at(self.step_t))
-        self.step += 1
+
+    def _replay(self, micro: list[Batch]) -> None:
+        """CUDA-graph path: capture on first use, then copy inputs into static buffers and replay.
+
+        The anchor generator is registered with the graph, so each replay draws new anchors (its
+        Philox offset advances on the device); per-step reseeding is a host call and cannot be
+        captured, so in this mode exact resume restores the generator state instead.
+        """
+        if self._graph is None:
+            self._static = [{k: v.clone() for k, v in mb.items()} for mb in micro]
+            # Warm up on a side stream (allocates grads, optimizer state, compiled kernels), then
+            # restore weights and optimizer state so the warm-up steps leave no trace in training.
+            snapshot = ({k: v.clone() for k, v in self.draft.state_dict().items()},
+                        copy.deepcopy(self.optimizer.state_dict()), self.metrics.state_dict(),
+                        self.step_t.clone(), self.lr.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self._step(self._static, reseed=False)
+            torch.cuda.current_stream().wait_stream(side)
+            self.draft.load_state_dict(snapshot[0])
+            self.optimizer.load_state_dict(snapshot[1])
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+            self.metrics.load_state_dict(snapshot[2])
+            self.step_t.copy_(snapshot[3])
+            self.lr.copy_(snapshot[4])
+            self._graph = torch.cuda.CUDAGraph()
+            self._graph.register_generator_state(self.anchor_generator)
+            with torch.cuda.graph(self._graph):
+                self._step(self._static, reseed=False)
+        for static, mb in zip(self._static, micro, strict=True):
+            for k, v in mb.items():
+                static[k].copy_(v, non_blocking=True)
+        self._graph.replay()
 
     # ---- evaluation (a sync point by design) ------------------------------------------------
 

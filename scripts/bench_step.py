@@ -1,0 +1,276 @@
+"""Benchmark the dflash training step: ms/step, tokens/s, TFLOP/s, MFU (two countings), peak memory.
+
+Configurations (all on random data):
+  specforge  Qwen3-8B-shaped draft as in SpecForge's benchmark: hidden 4096, 5 layers, FFN 12288,
+             32 heads / 8 KV heads, head_dim 128, vocab 151,936, 5 target layers of random features,
+             batch 2, sequence 768, 256 anchors, block 16, bf16 parameters.
+  smollm2    the embedded default's shapes with a real (randomly initialised) SmolLM2-135M-shaped
+             Llama target forward: 2-layer draft, block 16, 64 anchors, batch 32, sequence 512.
+  tiny       a CPU smoke configuration (CI).
+
+MFU is reported against the bf16 matmul peak measured in the same run (an 8192^3 product), two ways:
+  specforge  3 x forward FLOPs with dense attention and the LM head over every slot (their counting)
+  needed     what the step must compute: attention at the mask's real density, no LM-head weight
+             gradient, slot 0 never scored, fc (context side) without an input gradient.
+
+`--data-latency-ms X` adds X ms of CPU work per batch in the main thread (as a collate would) and
+reports the step time with that latency for the sync-free step and for `--force-sync` style steps
+(one `.item()` per step, as peers do), in the same process. Ends with one summary line.
+
+    python scripts/bench_step.py --config specforge
+    python scripts/bench_step.py --config specforge --seq 3072 --anchors 512
+    python scripts/bench_step.py --config smollm2 --latency
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash.config import TrainConfig  # noqa: E402
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel  # noqa: E402
+from dflash.objective import DFlashObjective  # noqa: E402
+from dflash.trainer import DFlashTrainer  # noqa: E402
+
+
+@dataclass
+class Shape:
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    target_layers: int  # K features
+    num_target_layers: int
+    batch: int
+    seq: int
+    anchors: int
+    block: int
+
+
+SHAPES = {
+    "specforge": Shape(4096, 5, 12288, 32, 8, 128, 151_936, 5, 36, 2, 768, 256, 16),
+    "smollm2": Shape(576, 2, 1536, 9, 3, 64, 49_152, 2, 30, 32, 512, 64, 16),
+    "tiny": Shape(64, 2, 128, 4, 2, 16, 512, 2, 4, 2, 64, 8, 4),
+}
+
+
+class RandomFeatureTarget(nn.Module):
+    """A frozen stand-in target: fixed random features, random embedding and LM head (SpecForge's setup)."""
+
+    def __init__(self, s: Shape, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        g = torch.Generator(device="cpu").manual_seed(0)
+        self.hidden_size = s.hidden
+        self.register_buffer("embed_weight", (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(device, dtype))
+        self.register_buffer("lm_head_weight", (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(device, dtype))
+        self.register_buffer("features", torch.randn(s.batch, s.seq, s.target_layers * s.hidden, generator=g).to(device, dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.features[: input_ids.shape[0], : input_ids.shape[1]]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
+
+
+def smollm2_target(device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.target import FrozenTarget
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49_152, max_position_embeddings=8192, tie_word_embeddings=True,
+                      rope_theta=100_000.0)
+    return FrozenTarget(LlamaForCausalLM(cfg), [1, 27]).to(device, dtype)
+
+
+def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -> DFlashTrainer:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
+                      batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
+                      cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk)
+    cfg.draft.num_anchors, cfg.draft.block_size = s.anchors, s.block
+    cfg.draft.attention = args.attention
+    if name == "smollm2":
+        target = smollm2_target(device, dtype)
+        layer_ids = target.layer_ids
+    else:
+        target = RandomFeatureTarget(s, device, dtype)
+        layer_ids = list(range(1, 1 + s.target_layers))
+    draft_cfg = DFlashDraftConfig(hidden_size=s.hidden, vocab_size=s.vocab, num_target_layers=s.num_target_layers,
+                                  target_layer_ids=layer_ids, mask_token_id=s.vocab - 1, num_hidden_layers=s.layers,
+                                  num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                                  intermediate_size=s.ffn, block_size=s.block)
+    attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    objective = DFlashObjective(target, DFlashDraftModel(draft_cfg).to(device), num_anchors=s.anchors,
+                                attention=attention, dtype=dtype, ce_chunk_size=args.ce_chunk)
+    return DFlashTrainer(cfg, objective=objective)
+
+
+def random_batch(s: Shape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, s.vocab - 2, (s.batch, s.seq), generator=g)
+    mask = torch.ones(s.batch, s.seq, dtype=torch.bool)
+    mask[:, : s.seq // 8] = False  # a prompt
+    batch = {"input_ids": ids, "loss_mask": mask}
+    if device.type == "cuda":
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    return batch
+
+
+def flops(s: Shape, mask_density: float) -> dict[str, float]:
+    """FLOPs of one step, counted SpecForge's way and as needed (see module docstring)."""
+    q_tok = s.batch * s.anchors * s.block
+    ctx_tok = s.batch * s.seq
+    kv = s.kv_heads * s.head_dim
+    layer_block = 2 * s.hidden * (s.heads * s.head_dim) * 2 + 2 * s.hidden * kv * 2 + 3 * 2 * s.hidden * s.ffn
+    layer_ctx = 2 * s.hidden * kv * 2  # k_proj, v_proj of the context
+    fc = 2 * s.target_layers * s.hidden * s.hidden
+    attn_dense = 4 * s.heads * s.head_dim * (s.anchors * s.block) * (s.seq + s.anchors * s.block) * s.batch
+    linear_fwd = q_tok * s.layers * layer_block  # layer_block: forward FLOPs per block token and layer
+    ctx_fwd = ctx_tok * (s.layers * layer_ctx + fc)
+    head_all = 2 * q_tok * s.vocab * s.hidden
+    head_scored = 2 * s.batch * s.anchors * (s.block - 1) * s.vocab * s.hidden
+    specforge = 3 * (linear_fwd + ctx_fwd + attn_dense * s.layers + head_all)
+    needed = (3 * linear_fwd + 3 * ctx_tok * s.layers * layer_ctx + 2 * ctx_tok * fc
+              + 3 * attn_dense * mask_density * s.layers + 2 * head_scored)
+    return {"specforge": specforge, "needed": needed}
+
+
+def matmul_peak(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def cpu_work(ms: float) -> None:
+    """Busy CPU work in this thread (a collate / tokenizer stand-in)."""
+    end = time.perf_counter() + ms / 1e3
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+
+
+def time_steps(trainer: DFlashTrainer, batch: dict, device: torch.device, steps: int, *, latency_ms: float = 0.0,
+               force_sync: bool = False) -> float:
+    """Mean wall ms/step over `steps` steps (host clock; the device is drained before and after)."""
+    def one() -> None:
+        if latency_ms:
+            cpu_work(latency_ms)
+        dev = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        trainer.train_step(dev)
+        if force_sync:
+            trainer.metrics.buffer[0].item()  # what a per-step log line does
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def mask_density(trainer: DFlashTrainer, batch: dict, device: torch.device) -> float:
+    from dflash.attention import dense_dflash_mask
+
+    loss_mask = batch["loss_mask"].to(device)
+    anchors, keep, _ = trainer.objective.plan(batch["input_ids"].to(device), loss_mask, None)
+    m = dense_dflash_mask(anchors, keep, loss_mask.shape[1], trainer.block_size)
+    return m.float().mean().item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(SHAPES), default="specforge")
+    p.add_argument("--seq", type=int)
+    p.add_argument("--anchors", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex"])
+    p.add_argument("--param-dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on GPU (SpecForge's policy)")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument("--ce-chunk", type=int, default=8192)
+    p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
+    p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.param_dtype = args.param_dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    s = SHAPES[args.config]
+    for field in ("seq", "anchors", "batch"):
+        if getattr(args, field):
+            setattr(s, field, getattr(args, field))
+    trainer = build(args.config, s, args, device)
+    batch = random_batch(s, device, 0)
+    density = mask_density(trainer, batch, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    time_steps(trainer, batch, device, args.warmup)
+    ms = time_steps(trainer, batch, device, args.steps)
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    peak = matmul_peak(device)
+    f = flops(s, density)
+    result = {
+        "config": args.config, "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
+        "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
+        "cuda_graph": args.cuda_graph, "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
+        "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
+        "matmul_peak_tflops": peak / 1e12, "peak_mem_gib": peak_mem,
+    }
+    result["mfu_specforge"] = result["tflops_specforge"] * 1e12 / peak if not math.isnan(peak) else float("nan")
+    result["mfu_needed"] = result["tflops_needed"] * 1e12 / peak if not math.isnan(peak) else float("nan")
+    if args.latency:
+        latency = args.data_latency_ms if args.data_latency_ms is not None else ms / 2
+        runs = {}
+        for label, lat, sync in (("free_0", 0.0, False), ("free_lat", latency, False),
+                                 ("sync_0", 0.0, True), ("sync_lat", latency, True)):
+            runs[label] = statistics.median(time_steps(trainer, batch, device, max(3, args.steps // 2),
+                                                       latency_ms=lat, force_sync=sync) for _ in range(3))
+        result.update({"latency_ms": latency, **{f"ms_{k}": v for k, v in runs.items()},
+                       "latency_slowdown_sync_free": runs["free_lat"] / runs["free_0"],
+                       "latency_slowdown_forced_sync": runs["sync_lat"] / runs["sync_0"]})
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    line = (f"bench {args.config} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
+            f"{result['tflops_specforge']:.0f} TFLOP/s (specforge count, MFU {result['mfu_specforge']:.1%}), "
+            f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB")
+    if args.latency:
+        line += (f"; latency {result['latency_ms']:.0f} ms: sync-free x{result['latency_slowdown_sync_free']:.2f}, "
+                 f"forced-sync x{result['latency_slowdown_forced_sync']:.2f}")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

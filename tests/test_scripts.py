@@ -1,0 +1,40 @@
+"""CPU smoke runs of the GPU scripts on tiny configurations (no GPU assertions here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bench_step_tiny(tmp_path):
+    stdout = run("scripts/bench_step.py", "--config", "tiny", "--steps", "2", "--warmup", "1", "--latency",
+                 "--data-latency-ms", "2", "--json", str(tmp_path / "b.json"))
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["ms_per_step"] > 0 and 0 < result["mask_density"] < 1
+    assert {"ms_free_0", "ms_free_lat", "ms_sync_0", "ms_sync_lat"} <= result.keys()
+    assert stdout.strip().splitlines()[-1].startswith("bench tiny")
+
+
+def test_flop_counting_reproduces_specforge_figure():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_step
+
+    # SpecForge: 180.7 ms/step at 492 TFLOP/s counted as 3x forward FLOPs -> 88.9 TFLOP per step
+    f = bench_step.flops(bench_step.SHAPES["specforge"], mask_density=1.0)
+    assert abs(f["specforge"] / 1e12 - 0.1807 * 492) < 0.5
+    assert f["needed"] < f["specforge"]
+
+
+def test_check_sync_free_cpu():
+    stdout = run("scripts/check_sync_free.py", "--steps", "3")
+    assert stdout.strip().splitlines()[-1].endswith("PASS")
