@@ -128,3 +128,18 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> tup
     draft_config = json.loads((path / "draft_config.json").read_text())
     trainer_state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=False)
     return draft_state, draft_config, trainer_state
+
+
+def draft_from_checkpoint(draft_state: dict[str, torch.Tensor], draft_config: dict[str, Any]) -> torch.nn.Module:
+    """Rebuild the draft saved in a checkpoint (DFlash, or Domino when its config says so)."""
+    from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+
+    cfg = DFlashDraftConfig.from_dict(draft_config)
+    if cfg.extra.get("projector_type") == "domino":
+        from dflash.domino import DominoDraftModel
+
+        model: torch.nn.Module = DominoDraftModel(cfg)
+    else:
+        model = DFlashDraftModel(cfg)
+    model.load_state_dict(draft_state)
+    return model

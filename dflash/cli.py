@@ -27,6 +27,35 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from dflash.evaluate import format_report, run_eval
+
+    report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+                      max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)
+    print(format_report(report))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dflash.checkpoint import draft_from_checkpoint, load_checkpoint, resolve_resume
+    from dflash.export import export_draft
+
+    path = resolve_resume(args.checkpoint, args.checkpoint)
+    draft_state, draft_config, _ = load_checkpoint(path)
+    out = export_draft(draft_from_checkpoint(draft_state, draft_config), args.out_dir)
+    print(f"exported {path} -> {out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dflash.corpus import regenerate_source
+
+    config = TrainConfig.from_sources(args.config, args.overrides)
+    result = regenerate_source(config)
+    print(f"{result.path}: {result.written} new replies, {result.reused} reused, skipped {result.skipped}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Sync-free DFlash / Domino draft training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,6 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 draft.num_layers=2")
     train.add_argument("--dry-run", action="store_true", help="print the plan (target, layers, sizes) and exit")
     train.set_defaults(func=_train)
+
+    gen = sub.add_parser("generate", help="answer the dataset's prompts with the target's own greedy replies (cached)")
+    gen.add_argument("config", nargs="?", help="YAML config file (optional; same keys as train)")
+    gen.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=my.jsonl data.limit=1000")
+    gen.set_defaults(func=_generate)
+
+    ev = sub.add_parser("eval", help="real speculative decoding: tau, per-position acceptance, speed-up (lossless)")
+    ev.add_argument("--draft", required=True, help="exported draft folder (config.json + model.safetensors)")
+    ev.add_argument("--target", default="embedded", help="target model: embedded, an HF id or a path")
+    ev.add_argument("--prompts", default="chitchat", help="chitchat (held-out split) or a conversations file/folder")
+    ev.add_argument("--num-prompts", type=int, default=20)
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--out", help="JSON report path (default: DRAFT/eval.json)")
+    ev.set_defaults(func=_eval)
+
+    ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format")
+    ex.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its latest checkpoint)")
+    ex.add_argument("out_dir")
+    ex.set_defaults(func=_export)
     return parser
 
 

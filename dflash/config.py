@@ -102,6 +102,10 @@ class TrainConfig:
     resume_from: str | None = None  # latest | a checkpoint folder | a run folder
     report_to: list[str] = field(default_factory=list)  # wandb, tensorboard (console + JSONL always)
     progress_bar: bool = True
+    time_budget_minutes: float | None = None  # stop training (then save, export, evaluate) after this long
+    export_on_finish: bool = True  # write the published format to output_dir/export at the end
+    spec_eval_prompts: int = 20  # held-out prompts for real speculative tau at the end (0: skip)
+    spec_eval_max_new_tokens: int = 128
 
     def validate(self) -> None:
         """Range-check every numeric option at start (a bad value must not fail at step 10,000)."""
@@ -131,6 +135,9 @@ class TrainConfig:
             (self.log_interval >= 1, "log_interval must be >= 1"),
             (self.eval_interval >= 0 and self.save_interval >= 0, "eval_interval/save_interval must be >= 0"),
             (self.keep_last >= 1, "keep_last must be >= 1"),
+            (self.time_budget_minutes is None or self.time_budget_minutes > 0, "time_budget_minutes must be > 0"),
+            (self.spec_eval_prompts >= 0 and self.spec_eval_max_new_tokens >= 1,
+             "spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens >= 1"),
             (set(self.report_to) <= {"wandb", "tensorboard"}, "report_to takes wandb and/or tensorboard"),
             (self.data.max_length >= self.draft.block_size + 1, "data.max_length must exceed draft.block_size"),
             (self.data.bucket_multiple >= 1, "data.bucket_multiple must be >= 1"),
@@ -159,14 +166,31 @@ class TrainConfig:
         return cfg
 
     @classmethod
-    def from_sources(cls, path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    def from_sources(cls, path: str | Path | None = None, overrides: list[str] = (), *,
+                     presets: bool = True) -> TrainConfig:
+        """YAML file, then `key=value` overrides; with `presets`, the embedded default's budget
+        (`dflash.presets`) fills every key neither of them set when the target is "embedded"."""
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
         data = yaml.safe_load(Path(path).read_text()) if path else {}
-        cfg = cls.from_dict(data or {})
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+        pairs = list(_flatten(data or {}))
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
             key, raw = item.split("=", 1)
-            cfg.set(key.strip(), yaml.safe_load(raw))
+            pairs.append((key.strip(), yaml.safe_load(raw)))
+        cfg = cls()
+        for key, value in pairs:
+            cfg.set(key, value)
+        if presets and cfg.target == "embedded":
+            from dflash.presets import embedded_preset
+
+            given = {key for key, _ in pairs}
+            for key, value in embedded_preset(cfg.device).items():
+                if key not in given:
+                    cfg.set(key, value)
         cfg.validate()
         return cfg
 

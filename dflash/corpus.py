@@ -29,6 +29,7 @@ class Corpus:
     train: Any  # datasets.Dataset with input_ids, loss_mask
     eval: Any | None
     description: dict[str, Any]
+    held_out_conversations: list[dict[str, Any]]  # their first user turns are speculative-eval prompts
 
 
 def _stable_key(conv_id: str) -> str:
@@ -53,35 +54,58 @@ def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
-    """Train and held-out datasets for `settings` (both cached on disk between runs)."""
-    root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
+def _conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], int]:
+    """The source's conversations (limited) and how many the source had."""
     if settings.source == "chitchat":
         conversations = chitchat_conversations()
     else:
         conversations, _ = load_conversations(settings.source, settings.split)
     conversations = list(conversations)
-    total = len(conversations)
-    if settings.limit is not None:
-        conversations = conversations[: settings.limit]
-    train, held = split_held_out(conversations, settings.eval_size)
+    return conversations[: settings.limit] if settings.limit is not None else conversations, len(conversations)
 
+
+def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
     tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode()).hexdigest()[:10]
-    parts = {"train": train, "eval": held}
+    safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
+    return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}-{part}.jsonl"
+
+
+def regenerate_source(config: Any) -> Any:
+    """`dflash generate`: regenerate the training split of `config.data` with `config.target` (cached)."""
+    from dflash.regenerate import regenerate
+    from dflash.trainer import load_target, resolve_device, resolve_dtype
+
+    settings = config.data
+    device = resolve_device(config.device)
+    model, tokenizer = load_target(config.target, resolve_dtype(config.dtype, device))
+    model.to(device)
+    root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
+    conversations, _ = _conversations(settings)
+    train, _ = split_held_out(conversations, settings.eval_size)
+    return regenerate(train, model, tokenizer, _regenerated_file(settings, root, config.target, "train"),
+                      batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
+                      target_name=config.target)
+
+
+def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
+    """Train and held-out datasets for `settings` (both cached on disk between runs)."""
+    root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
+    conversations, total = _conversations(settings)
+    train, held = split_held_out(conversations, settings.eval_size)
     paths: dict[str, Path] = {}
-    for name, rows in parts.items():
+    for name, rows in {"train": train, "eval": held}.items():
         if not rows:
             continue
         if settings.regenerate:
             from dflash.regenerate import regenerate
 
-            safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
-            out = root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}-{name}.jsonl"
-            result = regenerate(rows, target_model, tokenizer, out, batch_size=settings.regenerate_batch_size,
+            result = regenerate(rows, target_model, tokenizer, _regenerated_file(settings, root, target_name, name),
+                                batch_size=settings.regenerate_batch_size,
                                 max_new_tokens=settings.regenerate_max_new_tokens, target_name=target_name)
             paths[name] = result.path
         else:
-            paths[name] = _write_jsonl(rows, root / "splits" / f"{tag}-{name}.jsonl")
+            tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode())
+            paths[name] = _write_jsonl(rows, root / "splits" / f"{tag.hexdigest()[:10]}-{name}.jsonl")
     datasets = {name: build_dataset(str(path), tokenizer, settings.max_length, cache_dir=root / "datasets")
                 for name, path in paths.items()}
     description = {
@@ -96,4 +120,4 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         "files": {k: str(v) for k, v in paths.items()},
     }
     log.info("corpus: %s", description)
-    return Corpus(datasets["train"], datasets.get("eval"), description)
+    return Corpus(datasets["train"], datasets.get("eval"), description, held)

@@ -8,8 +8,9 @@ import torch
 
 from dflash.config import TrainConfig
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_decay_gamma
+from dflash.objective import configured_mask_token
 from dflash.target import resolve_mask_token_id
-from dflash.trainer import configured_mask_token, resolve_device, resolve_dtype
+from dflash.trainer import resolve_device, resolve_dtype
 
 
 def target_source(name: str) -> str:

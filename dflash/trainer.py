@@ -10,6 +10,7 @@ The only host reads happen in `Metrics.flush()` at a log interval, at checkpoint
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import time
@@ -112,6 +113,7 @@ class DFlashTrainer:
         if hasattr(self.objective, "bind_schedule"):  # Domino's lambda follows the device step counter
             self.objective.bind_schedule(self.step_t, config.max_steps)
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
+        self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.data_epoch = 0  # data position (host counters): epoch and loader batches consumed in it
         self.data_batches = 0
         self.anchor_generator = torch.Generator(device=self.device)
@@ -315,6 +317,7 @@ class DFlashTrainer:
 
         if self.dataset is None:
             corpus = prepare_corpus(self.config.data, self.tokenizer, self.target.model, self.config.target)
+            self.held_out_conversations = corpus.held_out_conversations
             return corpus.train, corpus.eval
         if isinstance(self.dataset, tuple):
             return self.dataset
@@ -366,14 +369,18 @@ class DFlashTrainer:
         batches = self._device_batches(train_ds)
         progress = tqdm(total=cfg.max_steps, initial=self.step, disable=not cfg.progress_bar or self.rank != 0,
                         desc="dflash train", dynamic_ncols=True)
-        window_start, window_tokens, last = time.perf_counter(), 0, {}
+        window_start, window_tokens, last, last_flush_step = time.perf_counter(), 0, {}, self.step
+        deadline = time.monotonic() + 60 * cfg.time_budget_minutes if cfg.time_budget_minutes else math.inf
         while self.step < cfg.max_steps:
+            if time.monotonic() > deadline:  # a host clock: checking it costs no sync
+                log.info("time budget of %s minutes reached at step %d", cfg.time_budget_minutes, self.step)
+                break
             batch = next(batches)
             window_tokens += batch["input_ids"].numel()  # a host-known shape, not a device read
             self.train_step(batch)
             progress.update(1)
             if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
-                last = self.metrics.flush()  # SYNC POINT: the log interval
+                last, last_flush_step = self.metrics.flush(), self.step  # SYNC POINT: the log interval
                 elapsed = time.perf_counter() - window_start
                 last["tokens_per_s"] = window_tokens / elapsed
                 last["supervised_tokens_per_s"] = last["supervised_tokens"] / elapsed
@@ -388,12 +395,33 @@ class DFlashTrainer:
         progress.close()
         checkpoint = self.save()
         summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
+        if self.step != last_flush_step:  # the time budget ended a window early: report it
+            last = self.metrics.flush()
+            self._record(reporter, last)
+            summary["train"] = last
         if eval_ds is not None:
             held_out = self.evaluate(eval_ds)
             self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
             summary["held_out"] = held_out
+        if cfg.export_on_finish and self.rank == 0:
+            from dflash.export import export_draft
+
+            summary["export"] = str(export_draft(self.draft, run_dir / "export"))
+        if cfg.spec_eval_prompts and self.held_out_conversations and self.rank == 0:
+            summary["speculative"] = self.speculative_eval(self.held_out_conversations)
+            (run_dir / "export" / "eval.json").write_text(json.dumps(summary["speculative"], indent=2))
         reporter.close()
         return summary
+
+    def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None) -> dict[str, Any]:
+        """SYNC POINT: real speculative decoding on held-out prompts (tau, per-position acceptance, speed-up)."""
+        from dflash.evaluate import format_report, speculative_report
+
+        report = speculative_report(self.target.model, self.tokenizer, self.draft, conversations,
+                                    num_prompts=num_prompts or self.config.spec_eval_prompts,
+                                    max_new_tokens=self.config.spec_eval_max_new_tokens)
+        log.info("speculative eval: %s", format_report(report))
+        return report
 
     def _record(self, reporter: Any, metrics: dict[str, Any]) -> None:
         self.history.append({"step": self.step, **metrics})

@@ -217,7 +217,7 @@ def main() -> int:
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on GPU (SpecForge's policy)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--cuda-graph", action="store_true")
-    p.add_argument("--ce-chunk", type=int, default=8192)
+    p.add_argument("--ce-chunk", type=int, default=2048)
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
     p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
     p.add_argument("--json", type=Path, help="write the results here")

@@ -1,0 +1,94 @@
+"""`dflash eval`: real speculative decoding of a trained draft next to its target (a sync point by design).
+
+Prompts are the first user turn of held-out conversations (or any source `load_conversations`
+reads), rendered with the target's chat template. Every speculative output is checked against the
+target's own greedy output token for token (`LosslessError` otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts: int,
+               max_prompt_tokens: int = 512) -> list[list[int]]:
+    """Token ids of the first user turn (plus a leading system turn) of each conversation, chat-rendered."""
+    prompts: list[list[int]] = []
+    for conv in conversations:
+        messages = conv["messages"]
+        head = [m for m in messages[:2] if m["role"] == "system"][:1]
+        user = next((m for m in messages if m["role"] == "user"), None)
+        if user is None:
+            continue
+        ids = tokenizer.apply_chat_template(head + [user], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if 0 < len(ids) <= max_prompt_tokens:
+            prompts.append(list(ids))
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError("no usable prompts (each needs a user turn within max_prompt_tokens)")
+    return prompts
+
+
+def stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """End-of-sequence / end-of-turn ids from the tokenizer and the generation config."""
+    ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+    return sorted(ids)
+
+
+def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module, conversations: list[dict[str, Any]],
+                       *, num_prompts: int = 20, max_new_tokens: int = 128) -> dict[str, Any]:
+    """tau, acceptance histogram, per-position acceptance, speed-up on `num_prompts` prompts (lossless-checked)."""
+    from dflash.speculative import evaluate_speculative
+
+    prompts = prompt_ids(tokenizer, conversations, num_prompts)
+    draft.eval()
+    report = evaluate_speculative(target_model, draft, prompts, max_new_tokens=max_new_tokens,
+                                  stop_token_ids=stop_ids(target_model, tokenizer))
+    report["lossless"] = True  # evaluate_speculative raises LosslessError otherwise
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    per_pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"])
+    return (f"tau {r['tau']:.3f} over {r['num_prompts']} prompts ({r['new_tokens']} new tokens, lossless) | "
+            f"speed-up x{r['speedup']:.2f} ({r['speculative_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tok/s)\n"
+            f"per-position acceptance: {per_pos}\nacceptance histogram (1..bs): {r['acceptance_histogram']}")
+
+
+def run_eval(draft_dir: str | Path, *, target: str = "embedded", prompts: str = "chitchat", num_prompts: int = 20,
+             max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
+             held_out_size: int = 64) -> dict[str, Any]:
+    """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft."""
+    from dflash.corpus import split_held_out
+    from dflash.data import load_conversations
+    from dflash.embedded import chitchat_conversations
+    from dflash.export import check_compatible, load_exported
+    from dflash.trainer import load_target, resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model, tokenizer = load_target(target, torch_dtype)
+    model.to(dev).eval()
+    draft = load_exported(draft_dir, device=dev, dtype=torch_dtype)
+    check_compatible(draft.config, model)
+    if prompts == "chitchat":  # the held-out split of training (prompts the draft never saw)
+        _, conversations = split_held_out(chitchat_conversations(), held_out_size)
+    else:
+        conversations, _ = load_conversations(prompts, require_assistant=False)
+    report = speculative_report(model, tokenizer, draft, conversations, num_prompts=num_prompts,
+                                max_new_tokens=max_new_tokens)
+    path = Path(out) if out else Path(draft_dir) / "eval.json"
+    path.write_text(json.dumps(report, indent=2))
+    log.info("wrote %s", path)
+    return report

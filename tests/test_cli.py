@@ -1,0 +1,133 @@
+"""The main job through the CLI on a tiny local target: config, dry run, train, resume, export, eval."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.config import TrainConfig
+from dflash.reporting import read_history
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """A 4-layer Llama with the SmolLM2 tokenizer (and chat template), saved like any HF model folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from dflash.embedded import embedded_target_dir
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    tok = AutoTokenizer.from_pretrained(embedded_target_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def conversations_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    with path.open("w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
+            ]}) + "\n")
+    return path
+
+
+def _args(target, data, out, *extra):
+    return ["train", f"target={target}", f"data.source={data}", f"output_dir={out}", "device=cpu",
+            "draft.mask_token_id=16", "draft.block_size=4", "draft.num_anchors=8", "batch_size=4",
+            "data.max_length=64", "data.bucket_multiple=32", "data.eval_size=8", "data.regenerate=false",
+            "data.num_workers=0", "log_interval=2", "ce_chunk_size=256", "spec_eval_prompts=3",
+            "spec_eval_max_new_tokens=8", f"data.cache_dir={out}/cache", *extra]
+
+
+def test_overrides_and_unknown_keys(capsys):
+    cfg = TrainConfig.from_sources(None, ["optim.lr=3e-4", "draft.num_layers=3", "report_to=[tensorboard]"])
+    assert cfg.optim.lr == 3e-4 and cfg.draft.num_layers == 3 and cfg.report_to == ["tensorboard"]
+    assert main(["train", "optim.lrr=1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'optim.lrr'" in err and "optim.lr" in err  # lists the valid keys
+    assert main(["train", "optim.lr=-1", "--dry-run"]) == 2
+    assert "optim.lr must be > 0" in capsys.readouterr().err
+
+
+def test_yaml_config_and_presets(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.002\nmax_steps: 7\n")
+    cfg = TrainConfig.from_sources(path, ["batch_size=3"])
+    assert (cfg.optim.lr, cfg.max_steps, cfg.batch_size) == (0.002, 7, 3)
+    assert cfg.draft.num_layers == 2  # embedded preset fills what the user left unset
+    other = TrainConfig.from_sources(None, ["target=some/model"])
+    assert other.max_steps == TrainConfig().max_steps  # presets only for the embedded target
+
+
+def test_dry_run_prints_the_plan(tiny_target_dir, capsys):
+    assert main(["train", f"target={tiny_target_dir}", "draft.mask_token_id=16", "draft.num_layers=2",
+                 "device=cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "target_layer_ids" in out and "[0, 2]" in out
+    assert "draft_parameters" in out and "mask_token" in out and "<empty_output>" in out
+
+
+def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, conversations_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=4", "save_interval=2")) == 0
+    summary = json.loads(capsys.readouterr().out)
+    history = read_history(out)
+    train_rows = [r for r in history if "loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4]  # logged at log_interval only
+    assert any("eval_tau" in r for r in history)  # held-out evaluation at the end
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
+    assert (out / "config.yaml").exists()
+    assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
+    assert summary["speculative"]["lossless"] and summary["speculative"]["num_prompts"] == 3
+
+    # resume: continues from step 4 to 6, the log continues, no step is repeated
+    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=6", "resume_from=latest")) == 0
+    capsys.readouterr()
+    steps = [r["step"] for r in read_history(out) if "loss" in r]
+    assert steps == [2, 4, 6]
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000006"
+
+
+def test_export_and_eval_commands(tiny_target_dir, conversations_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=2", "spec_eval_prompts=0",
+                      "export_on_finish=false")) == 0
+    capsys.readouterr()
+    assert main(["export", str(out), str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "model.safetensors").exists()
+    capsys.readouterr()
+    assert main(["eval", "--draft", str(tmp_path / "exported"), "--target", str(tiny_target_dir), "--prompts",
+                 str(conversations_file), "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "tau" in printed and "per-position acceptance" in printed
+    report = json.loads((tmp_path / "exported" / "eval.json").read_text())
+    assert report["num_prompts"] == 2 and report["tau"] >= 1.0
+
+
+def test_step_with_the_real_data_pipeline_is_sync_free(tiny_target_dir, conversations_file, tmp_path):
+    """DataLoader + prefetcher feeding several non-log steps inside forbid_syncs()."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.syncs import forbid_syncs
+    from dflash.trainer import DFlashTrainer
+
+    cfg = TrainConfig.from_sources(None, _args(tiny_target_dir, conversations_file, tmp_path / "r")[1:])
+    trainer = DFlashTrainer(cfg, target=AutoModelForCausalLM.from_pretrained(tiny_target_dir),
+                            tokenizer=AutoTokenizer.from_pretrained(tiny_target_dir))
+    train, _ = trainer._datasets()
+    batches = trainer._device_batches(train)
+    trainer.train_step(next(batches))
+    with forbid_syncs(raise_on_first=False) as report:
+        for _ in range(4):
+            trainer.train_step(next(batches))
+    assert report.findings == [], report
