@@ -17,7 +17,6 @@ Ends with one summary line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -63,17 +62,6 @@ def rows(n: int, seq: int, vocab: int, prompt: int, seed: int = 0) -> list[dict[
     return out
 
 
-@contextlib.contextmanager
-def cuda_sync_errors():
-    """`torch.cuda.set_sync_debug_mode("error")` for the region: any synchronizing CUDA call raises."""
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
 def sync_free_steps(cuda: bool, steps: int) -> int:
     """Run `steps` non-log steps from the real loader inside forbid_syncs; return steps done."""
     device = torch.device("cuda" if cuda else "cpu")
@@ -84,10 +72,8 @@ def sync_free_steps(cuda: bool, steps: int) -> int:
     batches = iter(DevicePrefetcher(loader, device))
     trainer.train_step(next(batches))  # first step outside: lazy allocations, kernel autotuning, caches
     done = 0
-    # On a GPU the proof is the CUDA sync debug mode (it sees every sync the driver would make); the
-    # dispatch-level detector is the CPU stand-in (it would also intercept compiled kernels' dispatch).
-    region = cuda_sync_errors() if cuda else forbid_syncs()
-    with region:
+    # On a GPU forbid_syncs turns on the CUDA sync debug mode ("error") and the dispatch-level detector.
+    with forbid_syncs(device=device if cuda else None):
         for _ in range(steps):
             try:
                 batch = next(batches)
