@@ -102,6 +102,8 @@ class TrainConfig:
     resume_from: str | None = None  # latest | a checkpoint folder | a run folder
     report_to: list[str] = field(default_factory=list)  # wandb, tensorboard (console + JSONL always)
     progress_bar: bool = True
+    max_nonfinite_skips: int = 20  # consecutive skipped (non-finite) updates before the run stops
+    init_from: str | None = None  # warm start: weights of an exported draft folder (not a resume)
     time_budget_minutes: float | None = None  # stop training (then save, export, evaluate) after this long
     export_on_finish: bool = True  # write the published format to output_dir/export at the end
     spec_eval_prompts: int = 20  # held-out prompts for real speculative tau at the end (0: skip)
@@ -135,6 +137,7 @@ class TrainConfig:
             (self.log_interval >= 1, "log_interval must be >= 1"),
             (self.eval_interval >= 0 and self.save_interval >= 0, "eval_interval/save_interval must be >= 0"),
             (self.keep_last >= 1, "keep_last must be >= 1"),
+            (self.max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1"),
             (self.time_budget_minutes is None or self.time_budget_minutes > 0, "time_budget_minutes must be > 0"),
             (self.spec_eval_prompts >= 0 and self.spec_eval_max_new_tokens >= 1,
              "spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens >= 1"),

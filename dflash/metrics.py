@@ -21,6 +21,7 @@ def _layout(block_size: int, variant: str) -> dict[str, int]:
         "accepted": 1, "blocks": 1,              # teacher-forced tau = 1 + accepted / kept blocks
         "anchors_total": 1, "rows_total": 1, "rows_skipped": 1,
         "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1, "micro_batches": 1,
+        "nonfinite_run": 1,  # longest run of consecutive skipped updates in the window (a max, not a sum)
     }
     if variant == "domino":  # the base (uncorrected) logits' loss / accuracy / tau, and lambda
         layout.update({"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1, "lambda": 1})
@@ -46,6 +47,11 @@ class Metrics:
     def add(self, name: str, value: torch.Tensor | float) -> None:
         view = self.buffer[self._slices[name]]
         view.add_(value.detach().to(torch.float64) if isinstance(value, torch.Tensor) else value)
+
+    def max_(self, name: str, value: torch.Tensor) -> None:
+        """Keep the running maximum of `value` in `name` (in place, no sync)."""
+        view = self.buffer[self._slices[name]]
+        torch.maximum(view, value.detach().to(torch.float64), out=view)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"buffer": self.buffer.detach().clone()}
@@ -77,6 +83,7 @@ class Metrics:
             "grad_norm": ratio(t["grad_norm"], steps).item(),
             "lr": ratio(t["lr"], steps).item(),
             "nonfinite_skips": t["nonfinite_skips"].item(),
+            "nonfinite_run": t["nonfinite_run"].item(),
             "supervised_tokens": t["scored"].item(),
             "per_position_accuracy": ratio(t["pos_correct"], t["pos_scored"]).tolist(),
         }

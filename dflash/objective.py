@@ -181,8 +181,10 @@ class DFlashObjective(nn.Module):
         """Add one micro-batch's sums to `m` (device ops only)."""
         valid = targets.valid[..., 1:]
         hits = out.correct & valid
-        m.add("loss_sum", out.ce_sum)
-        m.add("weight_sum", targets.weights.sum())
+        # A non-finite loss (its update is skipped by the trainer) must not poison the window's mean.
+        finite = torch.isfinite(out.ce_sum)
+        m.add("loss_sum", torch.where(finite, out.ce_sum, 0.0))
+        m.add("weight_sum", torch.where(finite, targets.weights.sum(), 0.0))
         m.add("correct", hits.sum())
         m.add("scored", valid.sum())
         m.add("pos_correct", hits.sum(dim=(0, 1)))

@@ -13,6 +13,8 @@ import copy
 import json
 import logging
 import math
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +56,47 @@ def load_target(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
 
 
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer updates were skipped for non-finite values."""
+
+
+# Settings that define what a run computes; resuming with any of them changed is refused.
+_RUN_DEFINING = ("target", "draft.", "domino.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
+                 "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
+                 "data.bucket_multiple", "data.labels", "data.regenerate")
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Run-defining settings that differ between a checkpoint's config and the current one."""
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(current)
+    keys = sorted(k for k in set(a) | set(b) if k.startswith(_RUN_DEFINING) or k in _RUN_DEFINING)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+class _StopRequest:
+    """Turns SIGTERM / SIGINT into a flag the loop checks between steps (main thread only)."""
+
+    def __init__(self) -> None:
+        self.requested, self.signal, self._previous = False, None, {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested, self.signal = True, signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
 class DFlashTrainer:
     """Trains a DFlash draft against a frozen target.
 
@@ -90,6 +133,10 @@ class DFlashTrainer:
         if config.param_dtype == "bfloat16" and self.dtype != torch.bfloat16:
             raise ValueError("param_dtype: bfloat16 needs dtype: bfloat16 (bf16 weights under an fp32 compute dtype)")
         self.draft.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[config.param_dtype])
+        if config.init_from:  # warm start from an exported draft: weights only, a fresh run otherwise
+            from dflash.export import load_exported
+
+            self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
         if config.compile:
             self.objective.compile_draft()
         if config.cuda_graph and self.device.type != "cuda":
@@ -113,6 +160,7 @@ class DFlashTrainer:
         if hasattr(self.objective, "bind_schedule"):  # Domino's lambda follows the device step counter
             self.objective.bind_schedule(self.step_t, config.max_steps)
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
+        self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.data_epoch = 0  # data position (host counters): epoch and loader batches consumed in it
         self.data_batches = 0
@@ -183,7 +231,14 @@ class DFlashTrainer:
 
         # 3) Update. clip_grad_norm_ without error_if_nonfinite: that flag reads the norm to the host.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.optim.max_grad_norm, foreach=True)
-        m.add("grad_norm", grad_norm)
+        # Non-finite guard, on the device: fused AdamW skips the whole update (weights, moments and
+        # its step count untouched) when `found_inf` is 1 -- the mechanism GradScaler uses.
+        skipped = (~torch.isfinite(grad_norm)).float()
+        self.optimizer.found_inf = skipped
+        self.nonfinite_run.mul_(skipped).add_(skipped)  # consecutive skips, reset by a finite step
+        m.add("nonfinite_skips", skipped)
+        m.max_("nonfinite_run", self.nonfinite_run)
+        m.add("grad_norm", torch.where(skipped > 0, 0.0, grad_norm))
         m.add("lr", self.lr)
         m.add("steps", 1.0)
         self.optimizer.step()
@@ -297,6 +352,10 @@ class DFlashTrainer:
         from dflash.checkpoint import load_checkpoint
 
         draft_state, _, state = load_checkpoint(path, self.device)
+        differences = config_differences(state.get("config", {}), self.config.to_dict())
+        if differences:
+            raise ValueError(f"checkpoint {path} was written with a different configuration; resuming would not "
+                             "continue the same run. Differences (checkpoint -> now):\n  " + "\n  ".join(differences))
         self.draft.load_state_dict(draft_state)
         self.load_state_dict(state)
         log.info("resumed from %s at step %d", path, self.step)
@@ -325,6 +384,15 @@ class DFlashTrainer:
         if "input_ids" in columns:
             return self.dataset, None
         return build_dataset(self.dataset, self.tokenizer, self.config.data.max_length), None
+
+    def _check_mask_token_absent(self, dataset: Any, max_rows: int = 20_000) -> None:
+        """The mask token must never be a real token of the data (the draft could not tell them apart)."""
+        mask_id = self.draft_config.mask_token_id
+        for i in range(min(len(dataset), max_rows)):
+            if mask_id in dataset[i]["input_ids"]:
+                name = self.tokenizer.convert_ids_to_tokens(mask_id) if self.tokenizer is not None else mask_id
+                raise ValueError(f"the mask token id {mask_id} ({name!r}) appears in the training data (row {i}): "
+                                 "set draft.mask_token_id to a token that never occurs in the data")
 
     def _device_batches(self, dataset: Any) -> Iterator[Batch]:
         """Endless device batches, epoch after epoch, resuming at (data_epoch, data_batches).
@@ -364,6 +432,7 @@ class DFlashTrainer:
         if resume is not None:
             self.resume(resume)
         train_ds, eval_ds = self._datasets()
+        self._check_mask_token_absent(train_ds)
         reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0)
         self.history: list[dict[str, Any]] = []
         batches = self._device_batches(train_ds)
@@ -371,7 +440,8 @@ class DFlashTrainer:
                         desc="dflash train", dynamic_ncols=True)
         window_start, window_tokens, last, last_flush_step = time.perf_counter(), 0, {}, self.step
         deadline = time.monotonic() + 60 * cfg.time_budget_minutes if cfg.time_budget_minutes else math.inf
-        while self.step < cfg.max_steps:
+        stop = _StopRequest()  # SIGTERM / SIGINT: finish the current step, save, exit cleanly
+        while self.step < cfg.max_steps and not stop.requested:
             if time.monotonic() > deadline:  # a host clock: checking it costs no sync
                 log.info("time budget of %s minutes reached at step %d", cfg.time_budget_minutes, self.step)
                 break
@@ -387,14 +457,26 @@ class DFlashTrainer:
                 self._record(reporter, last)
                 progress.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
                                      tok_s=f"{last['tokens_per_s']:.0f}")
+                if last["nonfinite_run"] >= cfg.max_nonfinite_skips:
+                    path = self.save()  # skipped updates left the weights at the last finite state
+                    stop.restore()
+                    raise NonFiniteError(
+                        f"{int(last['nonfinite_run'])} consecutive optimizer updates were skipped for non-finite "
+                        f"loss or gradients (max_nonfinite_skips={cfg.max_nonfinite_skips}) at step {self.step}; "
+                        f"the last finite weights are saved in {path}. Check the data and the learning rate.")
                 window_start, window_tokens = time.perf_counter(), 0
             if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
                 self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
             if cfg.save_interval and self.step % cfg.save_interval == 0:
                 self.save()
         progress.close()
+        stop.restore()
         checkpoint = self.save()
         summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
+        if stop.requested:  # interrupted: the checkpoint is what matters; skip the end-of-run work
+            log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
+            reporter.close()
+            return {**summary, "interrupted": True}
         if self.step != last_flush_step:  # the time budget ended a window early: report it
             last = self.metrics.flush()
             self._record(reporter, last)

@@ -1,0 +1,170 @@
+"""Reliability: exact resume, SIGTERM / SIGKILL during a run, non-finite guard, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
+from dflash.checkpoint import find_latest
+from dflash.reporting import read_history
+from dflash.trainer import DFlashTrainer, NonFiniteError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tokenized_rows(n: int = 24, seq: int = 40, seed: int = 0):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY_VOCAB - 1, (n, seq), generator=g)
+    mask = torch.ones(n, seq, dtype=torch.int8)
+    mask[:, :6] = 0
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": mask.tolist()})
+
+
+def run_config(out: Path, **overrides):
+    base = dict(output_dir=str(out), max_steps=6, log_interval=1, data__num_workers=0, data__bucket_multiple=8,
+                spec_eval_prompts=0, progress_bar=False)
+    base.update(overrides)
+    return tiny_config(**base)
+
+
+def fresh_trainer(cfg, dataset=None):
+    torch.manual_seed(123)  # same draft initialisation for every trainer of a test
+    return DFlashTrainer(cfg, target=make_tiny_target(), dataset=dataset if dataset is not None else tokenized_rows())
+
+
+def test_sigterm_saves_cleanly_and_resume_is_bit_identical(tmp_path, monkeypatch):
+    straight = fresh_trainer(run_config(tmp_path / "a"))
+    straight.fit()
+
+    interrupted = fresh_trainer(run_config(tmp_path / "b"))
+    original = interrupted.train_step
+
+    def step_then_sigterm(batch):
+        original(batch)
+        if interrupted.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a pre-emption notice mid-run
+
+    monkeypatch.setattr(interrupted, "train_step", step_then_sigterm)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    summary = interrupted.fit()
+    assert summary["interrupted"] and summary["steps"] == 3
+    assert find_latest(tmp_path / "b").name == "step-00000003"
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # the run's handler is removed again
+
+    resumed = fresh_trainer(run_config(tmp_path / "b", resume_from="latest"))
+    resumed.fit()
+    for (name, p), q in zip(straight.draft.named_parameters(), resumed.draft.parameters(), strict=True):
+        assert torch.equal(p, q), name  # bit-identical on CPU
+    def losses(run):
+        return [(r["step"], r["loss"]) for r in read_history(run) if "loss" in r]
+
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")  # steps 1..3 then 4..6, same values
+
+
+def test_sigkill_during_a_save_loses_nothing_before_it(tmp_path):
+    """A child process is killed with SIGKILL in the middle of writing its 3rd checkpoint."""
+    child = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        import dflash.checkpoint as ck
+        from test_reliability import fresh_trainer, run_config
+        calls = []
+        real_save = torch.save
+        def dying_save(obj, path, *a, **k):
+            calls.append(path)
+            if len(calls) == 3:
+                open(path, "wb").write(b"half a checkpoint")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(obj, path, *a, **k)
+        ck.torch.save = dying_save
+        fresh_trainer(run_config({str(tmp_path / 'run')!r}, save_interval=1)).fit()
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    root = tmp_path / "run" / "checkpoints"
+    assert any(p.name.startswith(".tmp-step-00000003") for p in root.iterdir())  # the interrupted save
+    latest = find_latest(tmp_path / "run")
+    assert latest.name == "step-00000002"  # the previous good checkpoint
+    resumed = fresh_trainer(run_config(tmp_path / "run", resume_from="latest", max_steps=4))
+    resumed.fit()
+    assert resumed.step == 4 and find_latest(tmp_path / "run").name == "step-00000004"
+
+
+def test_nonfinite_update_is_skipped_and_reported(monkeypatch):
+    trainer = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    batch = random_batch()
+    trainer.train_step(batch)
+    trainer.metrics.flush()
+    before = {k: v.clone() for k, v in trainer.draft.state_dict().items()}
+    adam_before = {k: v.clone() for k, v in trainer.optimizer.state[next(trainer.draft.parameters())].items()}
+    real = trainer.target.forward
+    monkeypatch.setattr(trainer.target, "forward", lambda ids: real(ids) * float("nan"))  # poisoned features
+    trainer.train_step(batch)
+    for k, v in trainer.draft.state_dict().items():
+        assert torch.equal(v, before[k]), k  # that update was skipped entirely
+    for k, v in trainer.optimizer.state[next(trainer.draft.parameters())].items():
+        assert torch.equal(v, adam_before[k]), k  # moments and step count untouched
+    metrics = trainer.metrics.flush()
+    assert metrics["nonfinite_skips"] == 1 and metrics["nonfinite_run"] == 1
+    assert metrics["loss"] == 0.0  # the NaN did not poison the window's loss
+    monkeypatch.setattr(trainer.target, "forward", real)
+    trainer.train_step(batch)
+    assert not torch.equal(trainer.draft.fc.weight, before["fc.weight"])  # training goes on
+    assert trainer.metrics.flush()["nonfinite_run"] == 0
+
+
+def test_consecutive_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    trainer = fresh_trainer(run_config(tmp_path, max_steps=20, max_nonfinite_skips=3))
+    real = trainer.target.forward
+    monkeypatch.setattr(trainer.target, "forward",
+                        lambda ids: real(ids) * (float("nan") if trainer.step >= 2 else 1.0))
+    with pytest.raises(NonFiniteError, match="3 consecutive optimizer updates were skipped"):
+        trainer.fit()
+    latest = find_latest(tmp_path)
+    from dflash.checkpoint import load_checkpoint
+
+    weights, _, _ = load_checkpoint(latest)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_resume_with_a_different_configuration_lists_what_differs(tmp_path):
+    fresh_trainer(run_config(tmp_path, max_steps=2)).fit()
+    other = fresh_trainer(run_config(tmp_path, max_steps=4, resume_from="latest", draft__num_anchors=6))
+    with pytest.raises(ValueError, match=r"draft\.num_anchors: 8 -> 6"):
+        other.fit()
+
+
+def test_mask_token_present_in_the_data_is_refused(tmp_path):
+    rows = tokenized_rows()
+    rows = rows.map(lambda r: {"input_ids": [TINY_MASK_ID] + r["input_ids"][1:]})
+    with pytest.raises(ValueError, match=f"mask token id {TINY_MASK_ID}.*appears in the training data"):
+        fresh_trainer(run_config(tmp_path), dataset=rows).fit()
+
+
+def test_sequences_shorter_than_the_block_train_without_error():
+    trainer = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    ids = torch.randint(0, TINY_VOCAB - 1, (4, 3))
+    mask = torch.tensor([[0, 1, 1]] * 3 + [[0, 0, 1]], dtype=torch.bool)
+    trainer.train_step({"input_ids": ids, "loss_mask": mask})
+    metrics = trainer.metrics.flush()
+    assert metrics["rows_skipped"] == 1 and metrics["supervised_tokens"] == 3
+
+
+def test_warm_start_from_an_exported_draft(tmp_path):
+    from dflash.export import export_draft
+
+    source = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    export_draft(source.draft, tmp_path / "exported")
+    warm = DFlashTrainer(tiny_config(init_from=str(tmp_path / "exported")), target=make_tiny_target())
+    bf16 = source.draft.fc.weight.to(torch.bfloat16).float()
+    assert torch.equal(warm.draft.fc.weight, bf16) and warm.step == 0
