@@ -45,6 +45,10 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -56,8 +60,8 @@ def save_checkpoint(
     """SYNC POINT: write a complete checkpoint atomically; returns its folder."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:08d}"
-    final = root / name
+    final = checkpoint_path(run_dir, step)
+    name = final.name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -132,14 +136,9 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> tup
 
 def draft_from_checkpoint(draft_state: dict[str, torch.Tensor], draft_config: dict[str, Any]) -> torch.nn.Module:
     """Rebuild the draft saved in a checkpoint (DFlash, or Domino when its config says so)."""
-    from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+    from dflash.domino import draft_model_for_config
+    from dflash.modeling import DFlashDraftConfig
 
-    cfg = DFlashDraftConfig.from_dict(draft_config)
-    if cfg.extra.get("projector_type") == "domino":
-        from dflash.domino import DominoDraftModel
-
-        model: torch.nn.Module = DominoDraftModel(cfg)
-    else:
-        model = DFlashDraftModel(cfg)
+    model = draft_model_for_config(DFlashDraftConfig.from_dict(draft_config))
     model.load_state_dict(draft_state)
     return model

@@ -15,6 +15,9 @@ layer_types all "full_attention", silu, no attention bias, untied) plus the DFla
     layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
     layers.{i}.mlp.{gate,up,down}_proj.weight
+plus, for a Domino draft (`dflash_config.projector_type: domino` with `emb_dim`, `gru_hidden_dim`,
+`pure_draft_prefix_len`, `shift_label`), its head: prefix_gru.weight_ih_l0 [3G, H],
+prefix_gru.weight_hh_l0 [3G, G], embed_proj.0.weight [emb_dim, H + G], embed_proj.2.weight [V, emb_dim].
 No embedding and no LM head: every consumer uses the target's.
 
 Who reads these names (checked against their public source, not run here): the reference DFlash
@@ -40,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel, draft_model_for_config
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
 CONFIG_NAME = "config.json"
@@ -48,9 +52,9 @@ _DFLASH_CORE_KEYS = ("mask_token_id", "target_layer_ids")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def expected_weight_names(num_layers: int) -> set[str]:
-    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (no Domino head)."""
-    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+def expected_weight_names(num_layers: int, *, domino: bool = False) -> set[str]:
+    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (+ the Domino head)."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | (DOMINO_WEIGHT_NAMES if domino else set())
     per_layer = [
         "input_layernorm.weight", "post_attention_layernorm.weight",
         *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -112,9 +116,9 @@ def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.d
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
     cfg = draft.config
     state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in draft.state_dict().items()}
-    expected = expected_weight_names(cfg.num_hidden_layers)
+    expected = expected_weight_names(cfg.num_hidden_layers, domino=isinstance(draft, DominoDraftModel))
     missing = sorted(expected - set(state))
-    extra = sorted(n for n in set(state) - expected if not _is_variant_weight(n, cfg))
+    extra = sorted(set(state) - expected)
     if missing or extra:  # the trainer's names must be the published ones: never write a wrong file
         raise ValueError(f"draft parameters do not match the published names: missing {missing}, unexpected {extra}")
     out = Path(out_dir)
@@ -122,11 +126,6 @@ def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.d
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(export_config(cfg, dtype), indent=2, sort_keys=True) + "\n")
     return out
-
-
-def _is_variant_weight(name: str, cfg: DFlashDraftConfig) -> bool:
-    """Domino's correction head (`prefix_gru.*`, `embed_proj.*`) is part of the format when configured."""
-    return cfg.extra.get("projector_type") == "domino" and name.startswith(("prefix_gru.", "embed_proj."))
 
 
 def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
@@ -175,7 +174,8 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
 
 def load_exported(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
                   *, target_model: nn.Module | None = None) -> DFlashDraftModel:
-    """Read an exported folder back into a `DFlashDraftModel` (eval mode, on `device`, in `dtype`).
+    """Read an exported folder back into a draft (eval mode, on `device`, in `dtype`): a
+    `DominoDraftModel` when `dflash_config.projector_type` is `domino`, else a `DFlashDraftModel`.
 
     The tensor names must be exactly the model's (the error lists missing and unexpected names);
     shapes must match the config. With `target_model`, `check_compatible` runs first.
@@ -186,7 +186,7 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
     cfg = draft_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
     if target_model is not None:
         check_compatible(cfg, target_model)
-    model = DFlashDraftModel(cfg)
+    model = draft_model_for_config(cfg)
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
         names = set(f.keys())

@@ -122,3 +122,147 @@ def accepted_prefix_length(correct: torch.Tensor, valid: torch.Tensor) -> torch.
     `correct`, `valid`: `[B, N, bs - 1]` bool for slots 1..bs-1 (slot 0 is never scored). Returns `[B, N]` long.
     """
     return (correct & valid).long().cumprod(dim=-1).sum(dim=-1)
+
+
+# ---- Domino: base and corrected logits in one pass over the vocabulary ------------------------
+
+
+@dataclass
+class DominoCrossEntropy:
+    """What `domino_linear_cross_entropy` returns for M blocks of P scored proposals."""
+
+    loss_sum: torch.Tensor  # [] fp32, (1 - lam) * final_sum + lam * base_sum, differentiable
+    final_sum: torch.Tensor  # [] fp32, weighted CE of the corrected logits (detached)
+    base_sum: torch.Tensor  # [] fp32, weighted CE of the base logits (detached)
+    final_correct: torch.Tensor  # [M, P] bool, argmax of the corrected logits == label
+    base_correct: torch.Tensor  # [M, P] bool, argmax of the base logits == label
+
+
+def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """(weighted CE sum `[]`, log-sum-exp `[..]`, argmax == label `[..]`) of fp32 `logits` `[.., V]`."""
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (weights * (lse - target)).sum(), lse, logits.argmax(dim=-1) == labels
+
+
+def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """d(sum scale * CE)/d logits = scale * (softmax - onehot), written over `logits` (consumed)."""
+    probs = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax in place: the logits are not needed again
+    probs.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
+    return probs.mul_(scale.unsqueeze(-1))
+
+
+class _DominoLinearCrossEntropy(torch.autograd.Function):
+    """Mixed Domino CE of base logits `h W^T` and final logits `h W^T + u W2^T` (suffix proposals).
+
+    Chunked over blocks so no `[M, P, V]` tensor exists at once. As in `_LinearCrossEntropy`, the
+    gradients are formed chunk by chunk in the forward pass (one pass over the vocabulary): the mix
+    weight lam is known then, so one `[M, P, H]` buffer holds d loss / d h for both terms. W2 is
+    trainable: its gradient `sum_chunks dZ^T u` is accumulated in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head, correction, corr_weight, labels, token_weights, lam, suffix_start, block_chunk,
+                needs):  # noqa: D401
+        need_h, need_u, need_w2 = needs
+        s, device = suffix_start, hidden.device
+        lam = lam.float()
+        final_sum = torch.zeros((), dtype=torch.float32, device=device)
+        base_sum = torch.zeros((), dtype=torch.float32, device=device)
+        final_correct = torch.empty(labels.shape, dtype=torch.bool, device=device)
+        base_correct = torch.empty(labels.shape, dtype=torch.bool, device=device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_u = torch.empty_like(correction) if need_u else None
+        grad_w2 = torch.zeros(corr_weight.shape, dtype=torch.float32, device=device) if need_w2 else None
+        for start in range(0, hidden.shape[0], block_chunk):
+            end = min(start + block_chunk, hidden.shape[0])
+            u, y, w = correction[start:end], labels[start:end], token_weights[start:end]
+            base = (hidden[start:end].to(head.dtype) @ head.t()).float()  # [c, P, V]
+            delta = (u.to(corr_weight.dtype) @ corr_weight.t()).float()  # [c, P - s, V]
+            final = torch.cat([base[:, :s], base[:, s:] + delta], dim=1)
+            del delta
+            f_sum, f_lse, f_hit = _ce_stats(final, y, w)
+            b_sum, b_lse, b_hit = _ce_stats(base, y, w)
+            final_sum += f_sum
+            base_sum += b_sum
+            final_correct[start:end], base_correct[start:end] = f_hit, b_hit
+            if not (need_h or need_u or need_w2):
+                continue
+            d_final = _ce_grad_(final, f_lse, y, w * (1 - lam))  # d loss / d final logits
+            d_delta = d_final[:, s:]  # the correction logits enter the final logits only
+            if need_u:
+                grad_u[start:end] = (d_delta.to(corr_weight.dtype) @ corr_weight).to(correction.dtype)
+            if need_w2:
+                grad_w2 += d_delta.flatten(0, 1).t() @ u.flatten(0, 1).to(d_delta.dtype)
+            if need_h:  # base logits feed both terms: d loss / d base = d_final + lam * d CE(base)
+                d_base = d_final.add_(_ce_grad_(base, b_lse, y, w * lam))
+                grad_h[start:end] = (d_base.to(head.dtype) @ head).to(hidden.dtype)
+        ctx.save_for_backward(grad_h, grad_u, grad_w2)
+        ctx.w2_dtype = corr_weight.dtype
+        ctx.mark_non_differentiable(final_sum, base_sum, final_correct, base_correct)
+        return (1 - lam) * final_sum + lam * base_sum, final_sum, base_sum, final_correct, base_correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        grad_h, grad_u, grad_w2 = ctx.saved_tensors
+        g = grad_loss.float()
+        return (
+            None if grad_h is None else grad_h * g.to(grad_h.dtype),
+            None,
+            None if grad_u is None else grad_u * g.to(grad_u.dtype),
+            None if grad_w2 is None else (grad_w2 * g).to(ctx.w2_dtype),
+            None, None, None, None, None, None,
+        )
+
+
+def domino_linear_cross_entropy(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    correction: torch.Tensor,
+    correction_weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_weights: torch.Tensor,
+    lam: torch.Tensor,
+    suffix_start: int,
+    chunk_size: int = 4096,
+) -> DominoCrossEntropy:
+    """Domino's loss `(1 - lam) * CE(final) + lam * CE(base)` through the frozen LM head, chunked.
+
+    base logits  = hidden @ head_weight^T                        (all P proposals)
+    final logits = base logits + correction @ correction_weight^T (proposals suffix_start..P-1;
+                   the first `suffix_start` keep their base logits)
+
+    Args:
+        hidden: `[M, P]` blocks of `[H]` backbone states, one per scored proposal.
+        head_weight: `[V, H]` frozen LM head (no gradient).
+        correction: `[M, P - suffix_start, E]` correction features (after the SiLU).
+        correction_weight: `[V, E]` the trainable low-rank output matrix (Domino's `embed_proj.2`).
+        labels: `[M, P]` long; token_weights: `[M, P]` float (0 drops a proposal).
+        lam: `[]` device tensor, the base-loss weight (read on the device, never on the host).
+        suffix_start: proposals before it get no correction; chunk_size: tokens per vocabulary pass.
+    Returns:
+        `DominoCrossEntropy`; `loss_sum` is differentiable w.r.t. hidden, correction and
+        correction_weight, the sums and correctness are detached.
+    """
+    m, p = labels.shape
+    if hidden.shape[:2] != (m, p) or correction.shape[:2] != (m, p - suffix_start):
+        raise ValueError(f"shapes disagree: hidden {tuple(hidden.shape)}, correction {tuple(correction.shape)}, "
+                         f"labels {tuple(labels.shape)}, suffix_start {suffix_start}")
+    # Inside autograd.Function.forward grad mode is off and parameters still say requires_grad:
+    # decide here which gradients to form, so no_grad evaluation does no gradient work.
+    track = torch.is_grad_enabled()
+    needs = (track and hidden.requires_grad, track and correction.requires_grad,
+             track and correction_weight.requires_grad)
+    out = _DominoLinearCrossEntropy.apply(hidden, head_weight.detach(), correction, correction_weight, labels,
+                                          token_weights.float(), lam, suffix_start, max(1, chunk_size // p), needs)
+    return DominoCrossEntropy(*out)
+
+
+@torch.no_grad()
+def linear_argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
+    """Greedy tokens `[T]` of `hidden` `[T, H]` through a head `[V, H]`, in chunks of tokens."""
+    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        out[start:end] = (hidden[start:end].to(weight.dtype) @ weight.t()).argmax(dim=-1)
+    return out

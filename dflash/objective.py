@@ -101,7 +101,7 @@ class DFlashObjective(nn.Module):
         self.gamma = gamma or default_decay_gamma(self.block_size)
         self.ce_chunk_size = ce_chunk_size
         self.labels = labels
-        # Kept out of the module tree (no duplicate state_dict keys); compile_draft() swaps it.
+        # Kept out of the module tree (no duplicate state_dict keys); use_draft_call() swaps it.
         object.__setattr__(self, "_draft_call", draft)
 
     @classmethod
@@ -115,13 +115,12 @@ class DFlashObjective(nn.Module):
         return cls(target, draft.to(device, torch.float32), num_anchors=ds.num_anchors, attention=attention,
                    dtype=dtype, gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels)
 
-    def compile_draft(self) -> None:
-        """torch.compile the draft forward (static shapes: fixed N, bucketed S)."""
-        object.__setattr__(self, "_draft_call", torch.compile(self.draft, dynamic=False))
+    def use_draft_call(self, call: nn.Module) -> None:
+        """Run the draft through `call` (the draft wrapped in DDP and/or torch.compile)."""
+        object.__setattr__(self, "_draft_call", call)
 
     def train(self, mode: bool = True) -> DFlashObjective:
-        self.draft.train(mode)  # the target stays in eval mode (FrozenTarget.train)
-        return self
+        return super().train(mode)  # the target stays in eval mode (FrozenTarget.train overrides it)
 
     # ---- blocks ---------------------------------------------------------------------------
 

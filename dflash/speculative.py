@@ -1,10 +1,11 @@
-"""Greedy speculative decoding with a DFlash draft (batch 1): generation, the lossless check, and τ.
+"""Greedy speculative decoding with a DFlash or Domino draft (batch 1): generation, the lossless check, and τ.
 
 One decode step, with `start` the position of the last emitted token `t` (not yet seen by the target):
 
     draft   block = [t, mask x (bs-1)] at positions start..start+bs-1, attending to the draft's
             cached context K/V (target features of every position < start) and to its own block
             -> draft tokens d_1..d_{bs-1} = argmax(draft_hidden[slots 1..] @ lm_head^T)
+            (Domino: the correction head then runs causally over d_1.., `dflash.domino.domino_propose`)
     target  one forward over [t, d_1..d_{v-1}] (v = min(bs, tokens still allowed)) with its KV cache
             -> greedy g_0..g_{v-1};  a = longest prefix with d_k == g_{k-1}
     emit    d_1..d_a and the bonus g_a (a + 1 tokens; cut after a stop token)
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.domino import DominoDraftModel, domino_propose
 from dflash.modeling import DFlashDraftModel
 
 
@@ -206,15 +208,19 @@ def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, conte
 
     `first_token` `[1, 1]` is slot 0 (the last emitted token); the other slots are the mask token.
     The draft sees every context position (all are < start) and its whole block, so no mask is needed.
+    A Domino draft's tokens come from its causal correction head (`domino_propose`).
     """
     device = first_token.device
     ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
     ids[:, :1] = first_token
     dtype = next(draft.parameters()).dtype
-    embeds = F.embedding(ids, target_model.get_input_embeddings().weight).to(dtype)
+    embed = target_model.get_input_embeddings().weight
+    embeds = F.embedding(ids, embed).to(dtype)
     positions = torch.arange(start, start + block_size, device=device).unsqueeze(0)
     hidden = draft(embeds, positions, None, ctx_kv=context.kv())  # [1, bs, H]
     head = target_model.get_output_embeddings().weight  # [V, H]
+    if isinstance(draft, DominoDraftModel):
+        return domino_propose(draft, hidden, first_token, embed, head)
     return (hidden[:, 1:].to(head.dtype) @ head.t()).argmax(-1)
 
 

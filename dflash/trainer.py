@@ -9,10 +9,12 @@ The only host reads happen in `Metrics.flush()` at a log interval, at checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from dflash.anchors import anchor_seed
@@ -34,9 +37,24 @@ log = logging.getLogger("dflash")
 
 
 def resolve_device(name: str) -> torch.device:
+    """"auto": this process's GPU (cuda:LOCAL_RANK under a launcher) when there is one, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(name)
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world_size). Under `accelerate launch` / torchrun (WORLD_SIZE > 1) this initialises the
+    process group through accelerate (NCCL on GPUs, gloo on CPUs); a single process gets (0, 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        from accelerate import PartialState
+
+        PartialState()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -113,10 +131,12 @@ class DFlashTrainer:
         dataset: Any = None,
         draft: DFlashDraftModel | None = None,
         objective: DFlashObjective | None = None,
-        rank: int = 0,
+        rank: int | None = None,
     ) -> None:
         self.config = config = config or TrainConfig()
         config.validate()
+        dist_rank, self.world_size = init_distributed()
+        rank = dist_rank if rank is None else rank
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if target is None and objective is None:
@@ -137,8 +157,18 @@ class DFlashTrainer:
             from dflash.export import load_exported
 
             self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
+        # What the objective calls to run the draft: DDP across ranks (gradients all-reduced in
+        # backward; only the last micro-batch of a window communicates), compiled when asked.
+        self.ddp = None
+        call: torch.nn.Module = self.draft
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = call = DistributedDataParallel(self.draft, device_ids=[self.device.index]
+                                                      if self.device.type == "cuda" else None)
         if config.compile:
-            self.objective.compile_draft()
+            call = torch.compile(call, dynamic=False)
+        self.objective.use_draft_call(call)
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph: true needs a CUDA device")
 
@@ -220,13 +250,20 @@ class DFlashTrainer:
         for i, mb in enumerate(micro):
             generator = self._anchor_generator(i, len(micro)) if reseed else self.anchor_generator
             plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator))
-        denominator = torch.stack([t.weights.sum() for _, _, t in plans]).sum().clamp(min=1e-6)
+        denominator = torch.stack([t.weights.sum() for _, _, t in plans]).sum()
+        if self.world_size > 1:  # the global token count: summed over ranks on the device, never read
+            dist.all_reduce(denominator)
+        # DDP averages gradients over ranks; scaling by world_size turns that into the global sum.
+        scale = self.world_size / denominator.clamp(min=1e-6)
 
         # 2) Forward/backward per micro-batch; the loss of each is its share of the global mean.
         m = self.metrics
-        for mb, (anchors, keep, targets) in zip(micro, plans, strict=True):
-            out = self.objective(mb["input_ids"], anchors, keep, targets)
-            (out.loss_sum / denominator).backward()
+        for i, (mb, (anchors, keep, targets)) in enumerate(zip(micro, plans, strict=True)):
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+            with sync:
+                out = self.objective(mb["input_ids"], anchors, keep, targets)
+                (out.loss_sum * scale).backward()
             self.objective.accumulate(m, out, keep, targets)
 
         # 3) Update. clip_grad_norm_ without error_if_nonfinite: that flag reads the norm to the host.
@@ -323,9 +360,16 @@ class DFlashTrainer:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "config": self.config.to_dict(),
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.world_size:
+            raise ValueError(f"the checkpoint was written by {saved_world} process(es) and this run has "
+                             f"{self.world_size}: the data position and per-rank anchors would not continue the "
+                             "same run. Resume with the same number of processes, or warm-start a new run "
+                             "from an export (init_from=...)")
         self.step = int(state["step"])
         self.optimizer.load_state_dict(state["optimizer"])
         # load_state_dict replaces the lr tensor in param_groups by a copy: put ours back.
@@ -341,12 +385,15 @@ class DFlashTrainer:
 
     def save(self) -> Path:
         """SYNC POINT: an atomic checkpoint of the current step under `output_dir/checkpoints`."""
-        from dflash.checkpoint import save_checkpoint
+        from dflash.checkpoint import checkpoint_path, save_checkpoint
 
-        path = save_checkpoint(self.config.output_dir, self.step, self.draft.state_dict(), self.draft_config.to_dict(),
-                               self.state_dict(), keep_last=self.config.keep_last)
-        log.info("saved checkpoint %s", path)
-        return path
+        if self.rank == 0:  # replicated draft: one writer; the others wait so nobody reads a half save
+            path = save_checkpoint(self.config.output_dir, self.step, self.draft.state_dict(),
+                                   self.draft_config.to_dict(), self.state_dict(), keep_last=self.config.keep_last)
+            log.info("saved checkpoint %s", path)
+        if self.world_size > 1:
+            dist.barrier()
+        return checkpoint_path(self.config.output_dir, self.step)
 
     def resume(self, path: str | Path) -> None:
         from dflash.checkpoint import load_checkpoint
@@ -375,7 +422,11 @@ class DFlashTrainer:
         from dflash.data import build_dataset
 
         if self.dataset is None:
+            if self.world_size > 1 and self.rank != 0:
+                dist.barrier()  # rank 0 regenerates and tokenizes first; the others then read its caches
             corpus = prepare_corpus(self.config.data, self.tokenizer, self.target.model, self.config.target)
+            if self.world_size > 1 and self.rank == 0:
+                dist.barrier()
             self.held_out_conversations = corpus.held_out_conversations
             return corpus.train, corpus.eval
         if isinstance(self.dataset, tuple):
@@ -407,7 +458,8 @@ class DFlashTrainer:
                              "lower batch_size / optim.grad_accum or add data")
         while True:
             loader = make_dataloader(dataset, rows, self._collator(), seed=self.config.seed, epoch=self.data_epoch,
-                                     skip_batches=self.data_batches, num_workers=self.config.data.num_workers)
+                                     skip_batches=self.data_batches, num_workers=self.config.data.num_workers,
+                                     rank=self.rank, world_size=self.world_size)
             for batch in DevicePrefetcher(loader, self.device):
                 self.data_batches += 1
                 yield batch

@@ -1,0 +1,316 @@
+"""Domino (arXiv 2605.29707): the DFlash backbone plus a small causal correction head.
+
+The backbone drafts a whole block in one parallel pass (base logits). The Domino head adds what a
+parallel draft cannot see, the tokens drafted earlier in the same block:
+
+    g_j   = GRU(emb(t_0), ..., emb(t_j))                 bias-free GRU over the target's frozen embedding
+    u_j   = SiLU(embed_proj.0([h_j || g_j]))             [H + gru_hidden_dim] -> emb_dim
+    final_j = h_j W_head^T + u_j embed_proj.2^T          for proposals j >= pure_draft_prefix_len
+
+Weight names are the published ones: `prefix_gru.weight_ih_l0`, `prefix_gru.weight_hh_l0`
+(torch `nn.GRU`, bias=False), `embed_proj.0.weight` `[emb_dim, H + gru_hidden_dim]`,
+`embed_proj.2.weight` `[vocab, emb_dim]` (`embed_proj` = Sequential(Linear, SiLU, Linear), no biases).
+
+Label layout (decisions, and where they come from)
+--------------------------------------------------
+A block of bs slots at anchor a proposes P = bs - 1 tokens; proposal j (0-based) predicts the token
+at a + 1 + j. `shift_label` only says which backbone slot produces it:
+
+    shift_label false (DFlash's same-position layout): proposal j = slot j + 1 (slot 0 is never scored)
+    shift_label true  (next-token layout):             proposal j = slot j
+
+so labels, position weights exp(-j / gamma), the loss denominator and every metric are the DFlash
+ones in both layouts. `pure_draft_prefix_len` p counts proposals: proposals 0..p-1 keep their base
+logits, proposals p.. are corrected. In slot units this is SpecForge's
+`suffix_start = p if shift_label else p + 1` (sgl-project/SpecForge `specforge/core/domino.py`,
+`OnlineDominoModel._suffix_start`). GRU input alignment (same source, and NVIDIA ModelOpt's
+`hf_domino.py` `_apply_domino_head`): t_0 is the anchor token, t_j (j >= 1) the token at a + j, i.e.
+the label of proposal j - 1; the correction of proposal j reads g_j, the state after the anchor and
+the j tokens before its label. The reference serving code (jianuo-huang/Domino and SGLang's
+`domino_greedy_rollout`) does exactly this at inference with the drafted tokens, which is what
+`domino_propose` below does.
+
+One deliberate difference: with shift_label true, SpecForge and ModelOpt also score slot bs - 1
+(the token at a + bs). No server uses it (SGLang's rollout proposes block_size - 1 tokens), so it is
+not scored here; training weight goes only to the proposals that are verified. With
+`data.labels: target` the GRU reads the target's greedy tokens where the labels are supervised (what
+it will read at inference) and the data tokens elsewhere.
+
+Loss and schedule
+-----------------
+`loss_sum = (1 - lam) * sum w CE(final) + lam * sum w CE(base)` over the micro-batch; the trainer
+divides by the global weight sum of the whole window, so the loss is a global token mean like
+DFlash's (the peers divide by each micro-batch's own count). lam falls linearly from `lambda_start`
+to 0 over `decay_steps = max(1, int(decay_ratio * max_steps))` steps (ModelOpt's
+`compute_lambda_base`), computed on the device from the trainer's step tensor (`bind_schedule`);
+unbound, lam stays `lambda_start`. Base and final CE come from one chunked pass over the vocabulary
+(`losses.domino_linear_cross_entropy`). At lam = 1 the head's gradients are zeros rather than
+missing, so distributed training needs no `find_unused_parameters`.
+
+Scheduled sampling (beyond the peers): with `scheduled_sampling` r > 0, each GRU input t_j (j >= 1)
+is replaced, with probability r, by the backbone's own base prediction of proposal j - 1, as drafted
+tokens replace ground truth at inference. The draws come from the anchor generator in `plan`
+(seeded per (seed, rank, step), so resume is exact and a CUDA graph replays them); the base
+predictions cost one extra chunked pass of the LM head, only when r > 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import DominoSettings, TrainConfig
+from dflash.losses import (
+    BlockTargets,
+    accepted_prefix_length,
+    block_positions,
+    domino_linear_cross_entropy,
+    linear_argmax,
+)
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+from dflash.objective import BlockOutput, DFlashObjective, build_draft
+from dflash.target import FrozenTarget
+
+PROJECTOR_TYPE = "domino"
+DOMINO_WEIGHT_NAMES = frozenset(
+    {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"})
+
+
+@dataclass(frozen=True)
+class DominoHeadConfig:
+    """The Domino keys of `dflash_config` (published names)."""
+
+    emb_dim: int
+    gru_hidden_dim: int
+    pure_draft_prefix_len: int
+    shift_label: bool
+
+    @classmethod
+    def from_settings(cls, s: DominoSettings) -> DominoHeadConfig:
+        return cls(s.emb_dim, s.gru_hidden_dim, s.pure_draft_prefix_len, s.shift_label)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any], block_size: int) -> DominoHeadConfig:
+        """Parse and check `DFlashDraftConfig.extra` (as exported under `dflash_config`)."""
+        if extra.get("projector_type") != PROJECTOR_TYPE:
+            raise ValueError(f"not a Domino draft config: projector_type {extra.get('projector_type')!r}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in extra]
+        if missing:
+            raise ValueError(f"Domino draft config lacks {missing} (expected under dflash_config)")
+        head = cls(int(extra["emb_dim"]), int(extra["gru_hidden_dim"]), int(extra["pure_draft_prefix_len"]),
+                   bool(extra["shift_label"]))
+        if head.emb_dim < 1 or head.gru_hidden_dim < 1:
+            raise ValueError(f"Domino emb_dim and gru_hidden_dim must be >= 1, got {head}")
+        if not 0 <= head.pure_draft_prefix_len < block_size - 1:
+            raise ValueError(f"pure_draft_prefix_len {head.pure_draft_prefix_len} must be in [0, block_size - 1 = "
+                             f"{block_size - 1}): a block has {block_size - 1} proposals and at least one is corrected")
+        return head
+
+    def to_extra(self) -> dict[str, Any]:
+        return {"projector_type": PROJECTOR_TYPE, **dataclasses.asdict(self)}
+
+
+def is_domino(cfg: DFlashDraftConfig) -> bool:
+    return cfg.extra.get("projector_type") == PROJECTOR_TYPE
+
+
+class DominoDraftModel(DFlashDraftModel):
+    """DFlash backbone + Domino head. `forward` is the backbone's (hidden states `[B, Q, H]`)."""
+
+    def __init__(self, cfg: DFlashDraftConfig) -> None:
+        head = DominoHeadConfig.from_extra(cfg.extra, cfg.block_size)  # refuse a bad config before building
+        super().__init__(cfg)
+        self.head_config = head
+        h = cfg.hidden_size
+        self.prefix_gru = nn.GRU(h, head.gru_hidden_dim, batch_first=True, bias=False)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(h + head.gru_hidden_dim, head.emb_dim, bias=False),
+            nn.SiLU(),
+            nn.Linear(head.emb_dim, cfg.vocab_size, bias=False),
+        )
+        with torch.no_grad():  # the backbone's rule (reset_parameters also covers these later)
+            for p in (*self.prefix_gru.parameters(), *self.embed_proj.parameters()):
+                nn.init.normal_(p, std=0.02)
+
+    @property
+    def suffix_start(self) -> int:
+        """First corrected proposal (= pure_draft_prefix_len, counted in proposals, not slots)."""
+        return self.head_config.pure_draft_prefix_len
+
+    @property
+    def correction_weight(self) -> torch.Tensor:
+        """`[V, emb_dim]`: the trainable output matrix of the correction (`embed_proj.2.weight`)."""
+        return self.embed_proj[2].weight
+
+    def proposal_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The bs - 1 proposal states `[..., bs - 1, H]` of block states `[..., bs, H]` (layout: module doc)."""
+        first = 0 if self.head_config.shift_label else 1
+        return hidden[..., first:first + hidden.shape[-2] - 1, :]
+
+    def prefix_states(self, token_embeds: torch.Tensor, state: torch.Tensor | None = None):
+        """GRU states `[M, L, G]` after each of `token_embeds` `[M, L, H]`, and the last `[1, M, G]`."""
+        return self.prefix_gru(token_embeds.to(self.correction_weight.dtype), state)
+
+    def correction_input(self, proposal_hidden: torch.Tensor, prefix_state: torch.Tensor) -> torch.Tensor:
+        """u = SiLU(embed_proj.0([h || g])) `[..., emb_dim]`; the correction logits are u @ W2^T."""
+        return self.embed_proj[1](self.embed_proj[0](torch.cat([proposal_hidden, prefix_state], dim=-1)))
+
+
+def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
+    """A `DominoDraftModel` when the config says `projector_type: domino`, else a DFlash draft."""
+    return DominoDraftModel(cfg) if is_domino(cfg) else DFlashDraftModel(cfg)
+
+
+def build_domino_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DominoDraftModel:
+    """A fresh Domino draft shaped for `target_model` from the `draft` and `domino` sections."""
+    with torch.device("meta"):  # DFlash's shape rule only: the throwaway backbone allocates nothing
+        shape = build_draft(config, target_model, tokenizer).config
+    extra = {**shape.extra, **DominoHeadConfig.from_settings(config.domino).to_extra()}
+    return DominoDraftModel(dataclasses.replace(shape, extra=extra))
+
+
+def lambda_at(step: torch.Tensor, lambda_start: float, decay_steps: int) -> torch.Tensor:
+    """Base-loss weight `[]` at `step` (a device tensor): lambda_start -> 0 linearly over decay_steps."""
+    return lambda_start * (1.0 - (step / decay_steps).clamp(max=1.0))
+
+
+@dataclass
+class DominoTargets(BlockTargets):
+    """Block targets plus the scheduled-sampling draws `[B, N, bs - 1]` bool (True: GRU input j
+    is the base prediction of proposal j - 1; column 0, the anchor, is never replaced)."""
+
+    sampled: torch.Tensor | None = None
+
+
+class DominoObjective(DFlashObjective):
+    """Domino block losses (module doc). Same interface as `DFlashObjective`; fills the "domino"
+    metric layout (base loss / accuracy / tau and lambda)."""
+
+    metrics_variant = "domino"
+
+    def __init__(self, target: FrozenTarget, draft: DominoDraftModel, *, lambda_start: float = 1.0,
+                 decay_ratio: float = 0.5, scheduled_sampling: float = 0.0, **kwargs: Any) -> None:
+        if not isinstance(draft, DominoDraftModel):
+            raise TypeError(f"a Domino objective needs a DominoDraftModel, got {type(draft).__name__} "
+                            "(build one with dflash.domino.build_domino_draft or load a projector_type: domino export)")
+        super().__init__(target, draft, **kwargs)
+        self.lambda_start, self.decay_ratio, self.scheduled_sampling = lambda_start, decay_ratio, scheduled_sampling
+        device = next(draft.parameters()).device
+        self._lambda = torch.full((), lambda_start, dtype=torch.float32, device=device)  # unbound: constant
+        self._step: torch.Tensor | None = None
+        self._decay_steps = 1
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
+                    dtype: torch.dtype, draft: DFlashDraftModel | None = None) -> DominoObjective:
+        draft = draft if draft is not None else build_domino_draft(config, target_model, tokenizer)
+        target = FrozenTarget(target_model, draft.config.target_layer_ids).to(device, dtype)
+        ds, d = config.draft, config.domino
+        attention = ds.attention if ds.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+        return cls(target, draft.to(device, torch.float32), num_anchors=ds.num_anchors, attention=attention,
+                   dtype=dtype, gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,
+                   lambda_start=d.lambda_start, decay_ratio=d.decay_ratio, scheduled_sampling=d.scheduled_sampling)
+
+    # ---- lambda ---------------------------------------------------------------------------
+
+    def bind_schedule(self, step_t: torch.Tensor, max_steps: int) -> None:
+        """Follow `step_t` (completed steps, a device tensor the trainer updates in place)."""
+        self._step = step_t
+        self._decay_steps = max(1, int(self.decay_ratio * max_steps))
+
+    def lambda_base(self) -> torch.Tensor:
+        """The current base-loss weight `[]` fp32, on the device (no host read, no host copy)."""
+        if self._step is None:
+            return self._lambda
+        return lambda_at(self._step, self.lambda_start, self._decay_steps)
+
+    # ---- blocks ---------------------------------------------------------------------------
+
+    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+        """DFlash's plan, plus the scheduled-sampling draws from the same generator (after the anchors)."""
+        anchors, keep, targets = super().plan(input_ids, loss_mask, generator)
+        if self.scheduled_sampling == 0:
+            return anchors, keep, targets
+        shape = (*anchors.shape, self.block_size - 1)
+        sampled = torch.rand(shape, generator=generator, device=input_ids.device) < self.scheduled_sampling
+        return anchors, keep, DominoTargets(**vars(targets), sampled=sampled)
+
+    def gru_tokens(self, input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
+                   targets: BlockTargets, proposals: torch.Tensor) -> torch.Tensor:
+        """Token ids `[B, N, bs - 1]` the GRU reads: t_0 = anchor token, t_j = the label of proposal
+        j - 1 where supervised, else the data token at a + j (scheduled sampling: module doc)."""
+        num = self.block_size - 1
+        positions, _ = block_positions(anchors, num, input_ids.shape[1])
+        data = torch.gather(input_ids, 1, positions.flatten(1)).view_as(positions)
+        tokens = torch.where(targets.valid[..., :num], labels[..., :num], data)
+        if not (self.draft.training and self.scheduled_sampling > 0):
+            return tokens
+        sampled = getattr(targets, "sampled", None)
+        if sampled is None:  # targets not made by `plan` (e.g. built by hand): draw here
+            sampled = torch.rand(tokens.shape, device=tokens.device) < self.scheduled_sampling
+        prev = proposals[:, :, :-1]  # proposals 0..P-2 feed GRU inputs 1..P-1
+        guess = linear_argmax(prev.reshape(-1, prev.shape[-1]), self.target.lm_head_weight,
+                              self.ce_chunk_size).view(prev.shape[:3])
+        return torch.cat([tokens[..., :1], torch.where(sampled[..., 1:], guess, tokens[..., 1:])], dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                targets: BlockTargets) -> BlockOutput:
+        draft: DominoDraftModel = self.draft
+        hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets)
+        proposals = draft.proposal_states(hidden)  # [B, N, P, H]
+        bsz, n, num, h = proposals.shape
+        s = draft.suffix_start
+        tokens = self.gru_tokens(input_ids, anchors, labels, targets, proposals)
+        with torch.autocast(input_ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            states, _ = draft.prefix_states(self.target.embed(tokens.flatten(0, 1)))  # [B*N, P, G]
+            flat = proposals.reshape(bsz * n, num, h)
+            correction = draft.correction_input(flat[:, s:], states[:, s:])  # [B*N, P - s, E]
+        lam = self.lambda_base()
+        valid = targets.valid[..., 1:]
+        ce = domino_linear_cross_entropy(flat, self.target.lm_head_weight, correction, draft.correction_weight,
+                                         labels[..., 1:].reshape(bsz * n, num),
+                                         targets.weights[..., 1:].reshape(bsz * n, num), lam, s, self.ce_chunk_size)
+        base_correct = ce.base_correct.view(bsz, n, num)
+        extras = {
+            # counted with the same micro-batches as loss_sum / weight_sum (accumulate drops non-finite ones)
+            "base_loss_sum": torch.where(torch.isfinite(ce.final_sum), ce.base_sum, 0.0),
+            "base_correct": (base_correct & valid).sum(),
+            "base_accepted": (accepted_prefix_length(base_correct, valid) * keep).sum(),
+            "lambda": lam,
+        }
+        return BlockOutput(loss_sum=ce.loss_sum, ce_sum=ce.final_sum, correct=ce.final_correct.view(bsz, n, num),
+                           extras=extras)
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def domino_propose(draft: DominoDraftModel, hidden: torch.Tensor, first_token: torch.Tensor,
+                   embed_weight: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """Greedy Domino drafts `[B, bs - 1]` of one block: the head runs causally over the drafted tokens.
+
+    Args:
+        hidden: `[B, bs, H]` backbone states of the block; first_token: `[B, 1]` its slot-0 token.
+        embed_weight, head_weight: `[V, H]` the target's embedding and LM head.
+    Proposal j = argmax(base_j + correction(h_j, g_j)) (no correction before suffix_start), where
+    g_j is the GRU state after the anchor token and drafts 0..j-1: training's alignment (module doc).
+    """
+    proposals = draft.proposal_states(hidden)  # [B, P, H]
+    base = (proposals.to(head_weight.dtype) @ head_weight.t()).float()  # [B, P, V]
+    token, state, drafts = first_token, None, []
+    for j in range(proposals.shape[1]):
+        out, state = draft.prefix_states(F.embedding(token, embed_weight), state)  # g_j: consumed t_j
+        logits = base[:, j]
+        if j >= draft.suffix_start:
+            u = draft.correction_input(proposals[:, j], out[:, -1].to(proposals.dtype))
+            logits = logits + (u @ draft.correction_weight.t()).float()
+        token = logits.argmax(dim=-1, keepdim=True)  # [B, 1], t_{j+1}
+        drafts.append(token)
+    return torch.cat(drafts, dim=1)
