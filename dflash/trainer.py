@@ -47,11 +47,13 @@ def resolve_device(name: str) -> torch.device:
 
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size). Under `accelerate launch` / torchrun (WORLD_SIZE > 1) this initialises the
-    process group through accelerate (NCCL on GPUs, gloo on CPUs); a single process gets (0, 1)."""
+    process group (through accelerate; NCCL on GPUs, gloo on CPUs); a single process gets (0, 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         from accelerate import PartialState
 
         PartialState()
+        if not dist.is_initialized():  # accelerate leaves CPU-only launches (gloo) to us
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
