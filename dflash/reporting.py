@@ -41,7 +41,10 @@ class Reporter:
 
             self._wandb = wandb.init(project="dflash", dir=str(run_dir), config=config)
         if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("report_to: tensorboard needs the tensorboard package: pip install tensorboard") from e
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
