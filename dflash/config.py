@@ -108,6 +108,7 @@ class TrainConfig:
     export_on_finish: bool = True  # write the published format to output_dir/export at the end
     spec_eval_prompts: int = 20  # held-out prompts for real speculative tau at the end (0: skip)
     spec_eval_max_new_tokens: int = 128
+    spec_eval_interval_prompts: int = 0  # also run real speculative tau on this many prompts at every eval_interval
 
     def validate(self) -> None:
         """Range-check every numeric option at start (a bad value must not fail at step 10,000)."""
@@ -139,6 +140,7 @@ class TrainConfig:
             (self.keep_last >= 1, "keep_last must be >= 1"),
             (self.max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1"),
             (self.time_budget_minutes is None or self.time_budget_minutes > 0, "time_budget_minutes must be > 0"),
+            (self.spec_eval_interval_prompts >= 0, "spec_eval_interval_prompts must be >= 0"),
             (self.spec_eval_prompts >= 0 and self.spec_eval_max_new_tokens >= 1,
              "spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens >= 1"),
             (set(self.report_to) <= {"wandb", "tensorboard"}, "report_to takes wandb and/or tensorboard"),

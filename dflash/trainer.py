@@ -521,6 +521,11 @@ class DFlashTrainer:
                 window_start, window_tokens = time.perf_counter(), 0
             if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
                 self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
+            if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
+                    and self.held_out_conversations and self.rank == 0):
+                spec = self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts)
+                self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
+                                        "spec_per_position_acceptance": spec["per_position_acceptance"]})
             if cfg.save_interval and self.step % cfg.save_interval == 0:
                 self.save()
         progress.close()

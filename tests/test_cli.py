@@ -79,9 +79,11 @@ def test_dry_run_prints_the_plan(tiny_target_dir, capsys):
 
 def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, conversations_file, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=4", "save_interval=2")) == 0
+    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=4", "save_interval=2", "eval_interval=2",
+                      "spec_eval_interval_prompts=2")) == 0
     summary = json.loads(capsys.readouterr().out)
     history = read_history(out)
+    assert [r["step"] for r in history if "spec_tau" in r] == [2, 4]  # real tau during training
     train_rows = [r for r in history if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4]  # logged at log_interval only
     assert any("eval_tau" in r for r in history)  # held-out evaluation at the end
