@@ -4,7 +4,7 @@ Applied only when the target is "embedded" and only to keys the user did not set
 key=value), so `dflash train max_steps=50` still gets every other embedded default.
 
 CPU (2 cores, about 15 minutes end to end): a short regeneration (cached for the next run), a
-2-layer draft, small batches, training stopped by an 8-minute budget, then export and a real
+2-layer draft, small batches, training stopped by a 6-minute budget, then export and a real
 speculative evaluation on 20 held-out prompts. GPU: the same recipe at full size (every chitchat
 prompt regenerated, larger batches, bf16 + flex attention, a 10-minute training budget).
 """
