@@ -57,3 +57,40 @@ def random_batch(batch: int = 4, seq: int = 32, prompt: int = 4, seed: int = 0) 
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()
+
+
+@pytest.fixture
+def one_thread():
+    """The real model's steps here are tiny: one thread is as fast, and avoids OpenMP stalls (10x)
+    when other processes share the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def continuation_batch(target, num_prompts: int = 8, prompt_len: int = 6, new_tokens: int = 26):
+    """Rows of random prompts followed by the target's own greedy continuations (a draft can learn
+    their cycles quickly); loss_mask covers the continuations."""
+    from dflash.speculative import target_generate
+
+    g = torch.Generator().manual_seed(123)
+    prompts = [torch.randint(0, 100, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
+    ids = torch.tensor([p + target_generate(target, p, new_tokens).output_ids for p in prompts])
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[:, :prompt_len] = False
+    return ids, loss_mask
+
+
+def save_tiny_target(path) -> None:
+    """A 4-layer Llama with the SmolLM2 tokenizer (and chat template), saved like any HF model folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from dflash.embedded import embedded_target_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_target_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)

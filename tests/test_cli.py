@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from conftest import save_tiny_target
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.reporting import read_history
@@ -14,18 +14,8 @@ from dflash.reporting import read_history
 
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
-    """A 4-layer Llama with the SmolLM2 tokenizer (and chat template), saved like any HF model folder."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from dflash.embedded import embedded_target_dir
-
     out = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(embedded_target_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
+    save_tiny_target(out)
     return out
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_target, tiny_config
+from conftest import make_tiny_target, save_tiny_target, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # accelerate's multi-process launcher (torchrun underneath); on a CPU-only machine the ranks use gloo.
@@ -57,7 +57,7 @@ def test_two_process_cli_run_resumes(tmp_path):
     from dflash.reporting import read_history
 
     target = tmp_path / "target"
-    _save_tiny_target(target)
+    save_tiny_target(target)
     data = tmp_path / "chats.jsonl"
     with data.open("w") as f:
         for i in range(40):
@@ -71,15 +71,3 @@ def test_two_process_cli_run_resumes(tmp_path):
                                   "batch_size=2"))
     assert [r["step"] for r in read_history(out) if "loss" in r] == [2, 4, 6]
 
-
-def _save_tiny_target(path: Path) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from dflash.embedded import embedded_target_dir
-
-    tok = AutoTokenizer.from_pretrained(embedded_target_dir())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)

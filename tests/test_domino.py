@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from conftest import TINY_VOCAB, make_tiny_target, random_batch, tiny_config
+from conftest import TINY_VOCAB, continuation_batch, make_tiny_target, random_batch, tiny_config
 from dflash import speculative as sp
 from dflash.anchors import sample_anchors
 from dflash.domino import (
@@ -402,11 +402,7 @@ def target():
 @pytest.fixture(scope="module")
 def trained(target):
     """A Domino draft trained briefly on the target's own greedy continuations."""
-    g = torch.Generator().manual_seed(123)
-    prompts = [torch.randint(0, 100, (6,), generator=g).tolist() for _ in range(8)]
-    ids = torch.tensor([p + sp.target_generate(target, p, 26).output_ids for p in prompts])
-    loss_mask = torch.ones_like(ids, dtype=torch.bool)
-    loss_mask[:, :6] = False
+    ids, loss_mask = continuation_batch(target)
     trainer = _trainer(target, max_steps=30, optim__lr=1e-2, domino__decay_ratio=0.3)
     for step in range(30):
         rows = torch.arange(4) + (4 * step) % 8

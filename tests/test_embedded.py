@@ -42,16 +42,6 @@ def chitchat():
     return chitchat_conversations()
 
 
-@pytest.fixture
-def one_thread():
-    """The real model's steps here are tiny: one thread is as fast, and avoids OpenMP stalls (10x)
-    when other processes share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_gguf_path_is_found_without_import():
     path = smollm2_gguf_path()
     assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000

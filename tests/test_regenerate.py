@@ -59,16 +59,6 @@ def tiny_target(tokenizer):
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.fixture
-def one_thread():
-    """The real model's steps here are tiny: one thread is as fast, and avoids OpenMP stalls (10x)
-    when other processes share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class CountingGenerate:
     """Wraps ``model.generate``: counts calls, optionally raises on call number ``fail_at``."""
 

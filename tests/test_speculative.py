@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, tiny_config
+from conftest import TINY_MASK_ID, TINY_VOCAB, continuation_batch, make_tiny_target, tiny_config
 from dflash import speculative as sp
 from dflash.attention import dense_dflash_mask
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
@@ -36,11 +36,7 @@ def target():
 @pytest.fixture(scope="module")
 def trained(target):
     """A draft trained briefly on the target's own greedy continuations (it learns their cycles)."""
-    g = torch.Generator().manual_seed(123)
-    prompts = [torch.randint(0, 100, (6,), generator=g).tolist() for _ in range(8)]
-    ids = torch.tensor([p + sp.target_generate(target, p, 26).output_ids for p in prompts])
-    loss_mask = torch.ones_like(ids, dtype=torch.bool)
-    loss_mask[:, :6] = False
+    ids, loss_mask = continuation_batch(target)
     trainer = DFlashTrainer(tiny_config(max_steps=20, optim__lr=1e-2), target=target)
     for step in range(20):
         rows = torch.arange(4) + (4 * step) % 8
