@@ -90,7 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # The library logs under "dflash"; give it its own handler (a root handler installed by an imported
+    # library would otherwise make basicConfig a no-op and hide the progress lines).
+    logger = logging.getLogger("dflash")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
     args = build_parser().parse_args(argv)
     # `dflash train key=value` without a YAML: argparse takes the first override as the config.
     if getattr(args, "config", None) and "=" in args.config:

@@ -73,6 +73,7 @@ class DataSettings:
     regenerate: bool = True  # replace replies by the target's own greedy replies (cached)
     regenerate_max_new_tokens: int = 256
     regenerate_batch_size: int = 32
+    regenerate_max_prompt_tokens: int = 1024  # longer prompts are skipped (and counted)
     labels: str = "data"  # data: learn the tokens; target: learn the target's greedy next token
     num_workers: int = 2
     cache_dir: str | None = None  # default: $DFLASH_CACHE or ~/.cache/dflash

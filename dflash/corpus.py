@@ -84,7 +84,7 @@ def regenerate_source(config: Any) -> Any:
     train, _ = split_held_out(conversations, settings.eval_size)
     return regenerate(train, model, tokenizer, _regenerated_file(settings, root, config.target, "train"),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
-                      target_name=config.target)
+                      max_prompt_tokens=settings.regenerate_max_prompt_tokens, target_name=config.target)
 
 
 def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
@@ -101,7 +101,8 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
 
             result = regenerate(rows, target_model, tokenizer, _regenerated_file(settings, root, target_name, name),
                                 batch_size=settings.regenerate_batch_size,
-                                max_new_tokens=settings.regenerate_max_new_tokens, target_name=target_name)
+                                max_new_tokens=settings.regenerate_max_new_tokens,
+                                max_prompt_tokens=settings.regenerate_max_prompt_tokens, target_name=target_name)
             paths[name] = result.path
         else:
             tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode())

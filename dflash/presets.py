@@ -21,6 +21,7 @@ EMBEDDED_CPU: dict[str, Any] = {
     "data.limit": 600,
     "data.eval_size": 32,
     "data.regenerate_max_new_tokens": 80,
+    "data.regenerate_max_prompt_tokens": 192,
     "data.num_workers": 1,
     "max_steps": 300,
     "time_budget_minutes": 6.0,

@@ -232,6 +232,9 @@ def regenerate(
             todo = [m for m in prompt if m["role"] == "user"]
             pending.append(_Chat(pid, str(conv.get("id", index)), system, todo))
 
+    # Batch prompts of similar length: one long prompt left-pads its whole batch, and a batch of 32
+    # padded to 1,800 tokens costs as much as 1,800 short prompts.
+    pending.sort(key=lambda chat: len(_prompt_ids(tokenizer, [*chat.messages, chat.todo[0]])))
     model.eval()
     with open(path, "a", encoding="utf-8") as f:
         for start in range(0, len(pending), batch_size):
