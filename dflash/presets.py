@@ -4,7 +4,7 @@ Applied only when the target is "embedded" and only to keys the user did not set
 key=value), so `dflash train max_steps=50` still gets every other embedded default.
 
 CPU (2 cores, about 15 minutes end to end): a short regeneration (cached for the next run), a
-2-layer draft, small batches, training stopped by a 6-minute budget, then export and a real
+2-layer draft, small batches, training stopped by a 5-minute budget, then export and a real
 speculative evaluation on 20 held-out prompts. GPU: the same recipe at full size (every chitchat
 prompt regenerated, larger batches, bf16 + flex attention, a 10-minute training budget).
 """
@@ -18,18 +18,18 @@ EMBEDDED_CPU: dict[str, Any] = {
     "draft.num_anchors": 32,
     "batch_size": 4,
     "data.max_length": 256,
-    "data.limit": 600,
+    "data.limit": 300,
     "data.eval_size": 32,
-    "data.regenerate_max_new_tokens": 80,
+    "data.regenerate_max_new_tokens": 64,
     "data.regenerate_max_prompt_tokens": 192,
     "data.num_workers": 1,
     "max_steps": 300,
-    "time_budget_minutes": 6.0,
+    "time_budget_minutes": 5.0,
     "log_interval": 10,
     "eval_interval": 100,
     "optim.lr": 1e-3,
     "spec_eval_prompts": 20,
-    "spec_eval_max_new_tokens": 64,
+    "spec_eval_max_new_tokens": 48,
     "output_dir": "runs/embedded",
 }
 
