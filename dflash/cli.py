@@ -56,6 +56,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from dflash.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Sync-free DFlash / Domino draft training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its latest checkpoint)")
     ex.add_argument("out_dir")
     ex.set_defaults(func=_export)
+
+    pl = sub.add_parser("plot", help="PNG plots of a run's metrics (loss, tau, per-position accuracy); needs matplotlib")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
+    pl.set_defaults(func=_plot)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,13 @@ def test_step_with_the_real_data_pipeline_is_sync_free(tiny_target_dir, conversa
         for _ in range(4):
             trainer.train_step(next(batches))
     assert report.findings == [], report
+
+
+def test_plot_command_writes_pngs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": s, "loss": 3.0 / s, "accuracy": 0.1 * s, "tau": 1 + 0.2 * s,
+             "per_position_accuracy": [0.5 / s, 0.25 / s, 0.1 / s]} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["plot", str(tmp_path)]) == 0
+    written = [line for line in capsys.readouterr().out.splitlines() if line.endswith(".png")]
+    assert written and all(Path(p).stat().st_size > 1000 for p in written)
