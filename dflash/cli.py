@@ -57,9 +57,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from dflash.plot import plot_run
+    try:
+        from dflash.plot import plot_run
 
-    for path in plot_run(args.run_dir, args.out):
+        paths = plot_run(args.run_dir, args.out)
+    except ImportError as e:  # matplotlib is the optional `plot` extra
+        print(f"dflash plot: error: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
 

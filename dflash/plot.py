@@ -102,7 +102,8 @@ def plot_per_position_heatmap(history: History, ax: Any, key: str = "per_positio
         return None
     width = len(rows[0])
     grid = [[row[k] for row in rows] for k in range(width)]  # [bs-1, logs]
-    image = ax.imshow(grid, aspect="auto", origin="lower", vmin=0.0, vmax=1.0, cmap="viridis",
+    top = max(0.05, max(max(r) for r in rows))  # the colour scale spans 0..best seen (the colorbar says so)
+    image = ax.imshow(grid, aspect="auto", origin="lower", vmin=0.0, vmax=top, cmap="viridis",
                       extent=(-0.5, len(steps) - 0.5, 0.5, width + 0.5), interpolation="nearest")
     ticks = sorted({0, len(steps) - 1, *range(0, len(steps), max(1, len(steps) // 8))})
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
