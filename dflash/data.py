@@ -614,10 +614,11 @@ def max_valid_anchors(loss_mask_cpu: torch.Tensor) -> int:
     """
     if loss_mask_cpu.device.type != "cpu":
         raise ValueError("max_valid_anchors reads a host tensor; call it before the copy to the device")
-    if loss_mask_cpu.shape[-1] < 2:
+    if loss_mask_cpu.numel() == 0:
         return 0
-    mask = loss_mask_cpu.bool()
-    return int((mask[:, :-1] & mask[:, 1:]).sum(dim=1).max())
+    from dflash.anchors import valid_anchor_mask  # the one valid-anchor rule
+
+    return int(valid_anchor_mask(loss_mask_cpu).sum(dim=1).max())
 
 
 class ResumableSampler(Sampler[int]):
