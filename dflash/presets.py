@@ -40,7 +40,7 @@ EMBEDDED_GPU: dict[str, Any] = {
     "data.max_length": 512,
     "data.eval_size": 64,
     "data.regenerate_max_new_tokens": 256,
-    "data.regenerate_batch_size": 128,
+    "data.regenerate_batch_size": 256,
     "max_steps": 3000,
     "time_budget_minutes": 10.0,
     "log_interval": 50,
