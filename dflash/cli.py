@@ -108,22 +108,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # The library logs under "dflash"; give it its own handler (a root handler installed by an imported
-    # library would otherwise make basicConfig a no-op and hide the progress lines).
-    logger = logging.getLogger("dflash")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
     args = build_parser().parse_args(argv)
     # `dflash train key=value` without a YAML: argparse takes the first override as the config.
     if getattr(args, "config", None) and "=" in args.config:
         args.overrides.insert(0, args.config)
         args.config = None
+    # The library logs under "dflash"; the command gives it its own handler for its duration (a root
+    # handler installed by an imported library would otherwise make basicConfig a no-op and hide the
+    # progress lines). Removed afterwards, so calling main() in a process (tests, notebooks) leaves
+    # logging as it was.
+    logger = logging.getLogger("dflash")
+    saved = logger.level, logger.propagate
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     try:
         return args.func(args)
     except (KeyError, ValueError, FileNotFoundError) as e:
         print(f"dflash {args.command}: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]

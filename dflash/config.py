@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+DISTRIBUTED_MODES = ("ddp", "fsdp2")  # how the draft is spread over processes (one process: no effect)
+
 
 @dataclass
 class DraftSettings:
@@ -95,6 +97,7 @@ class TrainConfig:
     param_dtype: str = "float32"  # draft weights and AdamW state: float32 (master weights) | bfloat16
     compile: bool = False  # torch.compile the draft (flex attention is always compiled on GPU)
     cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
+    distributed: str = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)
     output_dir: str = "runs/dflash"
     log_interval: int = 10  # steps between metric flushes (the only sync of a normal step)
     eval_interval: int = 0  # steps between held-out evaluations (0: only at the end)
@@ -154,6 +157,8 @@ class TrainConfig:
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
             (self.param_dtype in ("float32", "bfloat16"), "param_dtype must be float32 or bfloat16"),
+            (self.distributed in DISTRIBUTED_MODES,
+             f"distributed must be one of {', '.join(DISTRIBUTED_MODES)} (got {self.distributed!r})"),
         ]
         errors = [msg for ok, msg in checks if not ok]
         if errors:

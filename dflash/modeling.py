@@ -7,6 +7,11 @@ Target features go through `fc` (K*H -> H) and `hidden_norm` once; in every laye
 k_proj/v_proj (+ k_norm, RoPE at context positions) turn them into keys/values placed before the
 block's own keys/values. Queries come only from the block. Parameter names follow the published
 checkpoint format (DESIGN §5) so export is a rename-free dtype cast.
+
+In training each layer projects the context keys/values inside its own forward (from a
+`ContextFeatures` it is handed), so every weight of a layer is used only while that layer runs: FSDP2
+shards each layer separately and gathers its weights just for its forward and backward. Speculative
+decoding instead caches `context_kv(...)` and passes the projected keys/values.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +170,15 @@ def _flex_attention():
     return _FLEX
 
 
+class ContextFeatures(NamedTuple):
+    """Target features after `fc` + `hidden_norm` `[B, S, H]` and their RoPE; a layer turns them into its
+    context keys/values with its own k_proj/v_proj inside its forward."""
+
+    hidden: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DFlashDraftConfig) -> None:
         super().__init__()
@@ -185,8 +199,10 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor] | ContextFeatures,
+                cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
+        if isinstance(ctx_kv, ContextFeatures):  # training: project the context here (see module doc)
+            ctx_kv = self.key_values(*ctx_kv)
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k_blk, v_blk = self.key_values(x, cos, sin)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
@@ -249,11 +265,15 @@ class DFlashDraftModel(nn.Module):
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
 
+    def context_features(self, target_hidden: torch.Tensor, ctx_position_ids: torch.Tensor) -> ContextFeatures:
+        """Target features `[B, S, K*H]` at positions `[B, S]` through `fc` + `hidden_norm`, with their RoPE."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        return ContextFeatures(ctx, *self.rope(ctx_position_ids, ctx.dtype))
+
     def context_kv(self, target_hidden: torch.Tensor, ctx_position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context keys/values from target features `[B, S, K*H]` at positions `[B, S]`."""
-        ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rope(ctx_position_ids, ctx.dtype)
-        return [layer.self_attn.key_values(ctx, cos, sin) for layer in self.layers]
+        features = self.context_features(target_hidden, ctx_position_ids)
+        return [layer.self_attn.key_values(*features) for layer in self.layers]
 
     def forward(
         self,
@@ -280,7 +300,8 @@ class DFlashDraftModel(nn.Module):
             if ctx_position_ids is None:
                 ctx_position_ids = torch.arange(target_hidden.shape[1], device=target_hidden.device).expand(
                     target_hidden.shape[0], -1)
-            ctx_kv = self.context_kv(target_hidden, ctx_position_ids)
+            # each layer projects its own context keys/values in its forward (module doc: FSDP2)
+            ctx_kv = [self.context_features(target_hidden, ctx_position_ids)] * len(self.layers)
         x = noise_embeds
         cos, sin = self.rope(position_ids, x.dtype)
         for layer, kv in zip(self.layers, ctx_kv, strict=True):

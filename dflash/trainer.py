@@ -159,11 +159,20 @@ class DFlashTrainer:
             from dflash.export import load_exported
 
             self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
-        # What the objective calls to run the draft: DDP across ranks (gradients all-reduced in
-        # backward; only the last micro-batch of a window communicates), compiled when asked.
+        # What the objective calls to run the draft across ranks: DDP (replicated; gradients all-reduced
+        # in backward) or FSDP2 (`fully_shard`: parameters, gradients and AdamW state sharded, the
+        # draft's own module runs the gathers); either way only the last micro-batch of a window
+        # communicates gradients. Compiled when asked.
         self.ddp = None
+        self.fsdp = self.world_size > 1 and config.distributed == "fsdp2"
         call: torch.nn.Module = self.draft
-        if self.world_size > 1:
+        if self.fsdp:
+            if config.cuda_graph:
+                raise ValueError("cuda_graph: true does not work with distributed: fsdp2 (FSDP2's per-layer "
+                                 "all-gathers and reduce-scatters are driven by host-side hooks); use "
+                                 "distributed: ddp or cuda_graph: false")
+            self._shard_draft()
+        elif self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             self.ddp = call = DistributedDataParallel(self.draft, device_ids=[self.device.index]
@@ -185,7 +194,9 @@ class DFlashTrainer:
             betas=(config.optim.beta1, config.optim.beta2),
             eps=config.optim.eps,
             weight_decay=config.optim.weight_decay,
-            fused=True,  # reads lr and step from device tensors: no host read
+            # Reads lr and step from device tensors: no host read. Under FSDP2 the parameters are DTensors;
+            # fused AdamW runs on their local shards (lr and found_inf stay plain tensors).
+            fused=True,
             capturable=config.cuda_graph,  # the step counter stays on the device, so a graph can replay it
         )
         self.lr.copy_(self._lr_at(self.step_t))
@@ -193,6 +204,10 @@ class DFlashTrainer:
             self.objective.bind_schedule(self.step_t, config.max_steps)
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
+        # Step-level values (grad norm, lr, skip counts) are the same on every rank and Metrics.flush sums
+        # the buffer over ranks, so only the first process adds them (or 2 ranks would report one skipped
+        # update as 2 and stop after max_nonfinite_skips / 2 consecutive skips).
+        self._adds_replicated_metrics = dist_rank == 0
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.data_epoch = 0  # data position (host counters): epoch and loader batches consumed in it
         self.data_batches = 0
@@ -200,6 +215,23 @@ class DFlashTrainer:
         self.anchor_generator.manual_seed(anchor_seed(config.seed, rank, 0))
         self._graph: torch.cuda.CUDAGraph | None = None  # the captured step (cuda_graph: true)
         self._static: list[Batch] = []
+
+    def _shard_draft(self) -> None:
+        """FSDP2: every decoder layer, then the draft itself (fc, norms, a Domino head), becomes one
+        `fully_shard` group; its parameters turn into DTensors sharded on dim 0 over the ranks, gathered
+        for that group's forward / backward only. Every rank starts from rank 0's weights, as under DDP."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.no_grad():
+            for p in self.draft.parameters():
+                dist.broadcast(p, src=0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in self.draft.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.draft, mesh=mesh)
 
     # ---- schedule ---------------------------------------------------------------------------
 
@@ -261,30 +293,40 @@ class DFlashTrainer:
         # 2) Forward/backward per micro-batch; the loss of each is its share of the global mean.
         m = self.metrics
         for i, (mb, (anchors, keep, targets)) in enumerate(zip(micro, plans, strict=True)):
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
-            with sync:
+            with self._gradient_sync(last=i == len(micro) - 1):
                 out = self.objective(mb["input_ids"], anchors, keep, targets)
                 (out.loss_sum * scale).backward()
             self.objective.accumulate(m, out, keep, targets)
 
         # 3) Update. clip_grad_norm_ without error_if_nonfinite: that flag reads the norm to the host.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.optim.max_grad_norm, foreach=True)
+        if self.fsdp:  # a DTensor (the norm over all shards, replicated): its local tensor, no host read
+            grad_norm = grad_norm.full_tensor()
         # Non-finite guard, on the device: fused AdamW skips the whole update (weights, moments and
         # its step count untouched) when `found_inf` is 1 -- the mechanism GradScaler uses.
         skipped = (~torch.isfinite(grad_norm)).float()
         self.optimizer.found_inf = skipped
         self.nonfinite_run.mul_(skipped).add_(skipped)  # consecutive skips, reset by a finite step
-        m.add("nonfinite_skips", skipped)
-        m.max_("nonfinite_run", self.nonfinite_run)
-        m.add("grad_norm", torch.where(skipped > 0, 0.0, grad_norm))
-        m.add("lr", self.lr)
-        m.add("steps", 1.0)
+        if self._adds_replicated_metrics:  # identical on every rank; flush() sums over ranks: count them once
+            m.add("nonfinite_skips", skipped)
+            m.max_("nonfinite_run", self.nonfinite_run)
+            m.add("grad_norm", torch.where(skipped > 0, 0.0, grad_norm))
+            m.add("lr", self.lr)
+            m.add("steps", 1.0)
         self.optimizer.step()
         # A captured graph needs its gradient buffers to stay put: zero them instead of freeing them.
         self.optimizer.zero_grad(set_to_none=not self.config.cuda_graph)
         self.step_t.add_(1)
         self.lr.copy_(self._lr_at(self.step_t))
+
+    def _gradient_sync(self, *, last: bool) -> contextlib.AbstractContextManager:
+        """Gradients cross ranks only in the last micro-batch's backward; earlier ones accumulate locally
+        (DDP's no_sync, FSDP2's requires_gradient_sync flag: host-side state, no device work)."""
+        if self.fsdp:
+            self.draft.set_requires_gradient_sync(last)
+        elif self.ddp is not None and not last:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
 
     def _replay(self, micro: list[Batch]) -> None:
         """CUDA-graph path: capture on first use, then copy inputs into static buffers and replay.
@@ -299,7 +341,7 @@ class DFlashTrainer:
             # restore weights and optimizer state so the warm-up steps leave no trace in training.
             snapshot = ({k: v.clone() for k, v in self.draft.state_dict().items()},
                         copy.deepcopy(self.optimizer.state_dict()), self.metrics.state_dict(),
-                        self.step_t.clone(), self.lr.clone())
+                        self.step_t.clone(), self.lr.clone(), self.anchor_generator.get_state())
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -317,6 +359,9 @@ class DFlashTrainer:
             self._graph.register_generator_state(self.anchor_generator)
             with torch.cuda.graph(self._graph):
                 self._step(self._static, reseed=False)
+            # Replays continue the anchor stream from where it stood before warm-up and capture, so a
+            # resumed run (which captures again) draws the same anchors as an uninterrupted one.
+            self.anchor_generator.set_state(snapshot[5])
         for static, mb in zip(self._static, micro, strict=True):
             for k, v in mb.items():
                 static[k].copy_(v, non_blocking=True)
@@ -351,16 +396,79 @@ class DFlashTrainer:
 
     # ---- state ------------------------------------------------------------------------------
 
+    def _full(self, tree: Any) -> Any:
+        """`tree` with every DTensor (FSDP2 shards) replaced by its full value on the CPU on rank 0 and by
+        None on the other ranks. SYNC POINT and a collective: every rank calls it on the same structure."""
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_map
+
+        def full(t: Any) -> Any:
+            if not isinstance(t, DTensor):
+                return t
+            whole = t.full_tensor()  # all-gather, one tensor at a time
+            return whole.cpu() if self.rank == 0 else None
+
+        return tree_map(full, tree)
+
+    def draft_state_dict(self) -> dict[str, torch.Tensor]:
+        """The draft's full weights (trainer names). Under FSDP2 a collective: call it on every rank;
+        rank 0 gets the consolidated tensors (on the CPU), the others None values."""
+        return self._full(self.draft.state_dict()) if self.fsdp else self.draft.state_dict()
+
+    def consolidated_draft(self) -> torch.nn.Module | None:
+        """The draft as one plain module with full weights, for export and speculative decoding: the
+        draft itself without FSDP2; under FSDP2 a collective (call it on every rank) that returns a
+        rebuilt unsharded copy on this device on rank 0 and None on the other ranks."""
+        if not self.fsdp:
+            return self.draft
+        state = self.draft_state_dict()
+        if self.rank != 0:
+            return None
+        from dflash.domino import draft_model_for_config
+
+        with torch.device("meta"):  # no initialisation work: the weights are assigned next
+            model = draft_model_for_config(copy.deepcopy(self.draft_config))
+        model.load_state_dict(state, assign=True)
+        return model.to(self.device)
+
+    def _shard_like(self, full: dict[Any, Any], like: dict[Any, Any]) -> dict[Any, Any]:
+        """FSDP2 resume: each full tensor of `full` whose counterpart in `like` is a DTensor of the same
+        shape becomes a DTensor with that counterpart's mesh and placements, built from this rank's own
+        chunk of the full tensor (every rank read the same file: no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        out = dict(full)
+        for key, value in full.items():
+            ref = like.get(key)
+            if isinstance(ref, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                    and tuple(value.shape) == tuple(ref.shape):
+                out[key] = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+        return out
+
+    def _shard_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A consolidated optimizer state dict with each moment sharded like its parameter (FSDP2 resume)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        per_param = {i: self._shard_like(entry, {k: params[int(i)] for k in entry})
+                     for i, entry in state["state"].items()}
+        return {**state, "state": per_param}
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs besides the draft weights (anchors derive from the step)."""
+        """Everything a resumed run needs besides the draft weights (anchors derive from the step).
+
+        Under FSDP2 a collective (the optimizer's sharded moments are gathered; full values on rank 0), so
+        the checkpoint has the same consolidated layout whether the run used DDP, FSDP2 or one process."""
+        optimizer = self.optimizer.state_dict()
         return {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._full(optimizer) if self.fsdp else optimizer,
             "metrics": self.metrics.state_dict(),
             "data_epoch": self.data_epoch,
             "data_batches": self.data_batches,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            # Eager steps reseed anchors from (seed, rank, step); a CUDA graph advances this generator
+            # on the device instead, so its state is what continues the anchor stream on resume.
+            "anchor_rng": self.anchor_generator.get_state(),
             "config": self.config.to_dict(),
             "world_size": self.world_size,
         }
@@ -373,7 +481,8 @@ class DFlashTrainer:
                              "same run. Resume with the same number of processes, or warm-start a new run "
                              "from an export (init_from=...)")
         self.step = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        self.optimizer.load_state_dict(self._shard_optimizer_state(optimizer) if self.fsdp else optimizer)
         # load_state_dict replaces the lr tensor in param_groups by a copy: put ours back.
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
@@ -381,17 +490,23 @@ class DFlashTrainer:
         self.lr.copy_(self._lr_at(self.step_t))
         self.metrics.load_state_dict(state["metrics"])
         self.data_epoch, self.data_batches = int(state["data_epoch"]), int(state["data_batches"])
-        torch.set_rng_state(state["torch_rng"])
+        # The checkpoint is loaded with map_location=device: RNG states must be CPU byte tensors again.
+        torch.set_rng_state(state["torch_rng"].cpu())
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+        if state.get("anchor_rng") is not None:
+            self.anchor_generator.set_state(state["anchor_rng"].cpu())
 
     def save(self) -> Path:
         """SYNC POINT: an atomic checkpoint of the current step under `output_dir/checkpoints`."""
         from dflash.checkpoint import checkpoint_path, save_checkpoint
 
-        if self.rank == 0:  # replicated draft: one writer; the others wait so nobody reads a half save
-            path = save_checkpoint(self.config.output_dir, self.step, self.draft.state_dict(),
-                                   self.draft_config.to_dict(), self.state_dict(), keep_last=self.config.keep_last)
+        # Consolidated state (under FSDP2 gathered from every rank to rank 0); one writer, and the others
+        # wait so nobody reads a half save.
+        draft_state, state = self.draft_state_dict(), self.state_dict()
+        if self.rank == 0:
+            path = save_checkpoint(self.config.output_dir, self.step, draft_state,
+                                   self.draft_config.to_dict(), state, keep_last=self.config.keep_last)
             log.info("saved checkpoint %s", path)
         if self.world_size > 1:
             dist.barrier()
@@ -405,7 +520,7 @@ class DFlashTrainer:
         if differences:
             raise ValueError(f"checkpoint {path} was written with a different configuration; resuming would not "
                              "continue the same run. Differences (checkpoint -> now):\n  " + "\n  ".join(differences))
-        self.draft.load_state_dict(draft_state)
+        self.draft.load_state_dict(self._shard_like(draft_state, self.draft.state_dict()) if self.fsdp else draft_state)
         self.load_state_dict(state)
         log.info("resumed from %s at step %d", path, self.step)
 
@@ -522,10 +637,13 @@ class DFlashTrainer:
             if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
                 self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
             if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
-                    and self.held_out_conversations and self.rank == 0):
-                spec = self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts)
-                self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
-                                        "spec_per_position_acceptance": spec["per_position_acceptance"]})
+                    and self.held_out_conversations):
+                draft = self.consolidated_draft()  # FSDP2: a gather every rank takes part in
+                if self.rank == 0:
+                    spec = self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts,
+                                                 draft=draft)
+                    self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
+                                            "spec_per_position_acceptance": spec["per_position_acceptance"]})
             if cfg.save_interval and self.step % cfg.save_interval == 0:
                 self.save()
         progress.close()
@@ -544,21 +662,32 @@ class DFlashTrainer:
             held_out = self.evaluate(eval_ds)
             self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
             summary["held_out"] = held_out
+        spec_eval = bool(cfg.spec_eval_prompts and self.held_out_conversations)
+        # One full draft for export and speculative decoding (FSDP2: gathered to rank 0 by every rank).
+        final_draft = self.consolidated_draft() if cfg.export_on_finish or spec_eval else None
         if cfg.export_on_finish and self.rank == 0:
             from dflash.export import export_draft
 
-            summary["export"] = str(export_draft(self.draft, run_dir / "export"))
-        if cfg.spec_eval_prompts and self.held_out_conversations and self.rank == 0:
-            summary["speculative"] = self.speculative_eval(self.held_out_conversations)
+            summary["export"] = str(export_draft(final_draft, run_dir / "export"))
+        if spec_eval and self.rank == 0:
+            summary["speculative"] = self.speculative_eval(self.held_out_conversations, draft=final_draft)
             (run_dir / "export" / "eval.json").write_text(json.dumps(summary["speculative"], indent=2))
         reporter.close()
         return summary
 
-    def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None) -> dict[str, Any]:
-        """SYNC POINT: real speculative decoding on held-out prompts (tau, per-position acceptance, speed-up)."""
+    def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None, *,
+                         draft: torch.nn.Module | None = None) -> dict[str, Any]:
+        """SYNC POINT: real speculative decoding on held-out prompts (tau, per-position acceptance, speed-up).
+
+        `draft` defaults to the trained draft; under FSDP2 pass `consolidated_draft()` (sharded weights
+        cannot run in one process alone)."""
         from dflash.evaluate import format_report, speculative_report
 
-        report = speculative_report(self.target.model, self.tokenizer, self.draft, conversations,
+        if draft is None:
+            if self.fsdp:
+                raise ValueError("under distributed: fsdp2 pass draft=trainer.consolidated_draft() (called on every rank)")
+            draft = self.draft
+        report = speculative_report(self.target.model, self.tokenizer, draft, conversations,
                                     num_prompts=num_prompts or self.config.spec_eval_prompts,
                                     max_new_tokens=self.config.spec_eval_max_new_tokens)
         log.info("speculative eval: %s", format_report(report))

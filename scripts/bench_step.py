@@ -17,9 +17,15 @@ MFU is reported against the bf16 matmul peak measured in the same run (an 8192^3
 reports the step time with that latency for the sync-free step and for `--force-sync` style steps
 (one `.item()` per step, as peers do), in the same process. Ends with one summary line.
 
+Several processes (`torchrun --nproc_per_node N` / `accelerate launch --num_processes N`): each rank
+runs the step on its own GPU (cuda:LOCAL_RANK) on its own batch, with the draft under DDP or FSDP2
+(`--distributed`); rank 0 prints the JSON (its own figures, plus per-rank ms/step and tokens/s and
+the total tokens/s over ranks) and the one summary line.
+
     python scripts/bench_step.py --config specforge
     python scripts/bench_step.py --config specforge --seq 3072 --anchors 512
     python scripts/bench_step.py --config smollm2 --latency
+    torchrun --nproc_per_node 2 scripts/bench_step.py --config specforge --distributed fsdp2
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -34,14 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import TrainConfig  # noqa: E402
+from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel  # noqa: E402
 from dflash.objective import DFlashObjective  # noqa: E402
-from dflash.trainer import DFlashTrainer  # noqa: E402
+from dflash.trainer import DFlashTrainer, init_distributed  # noqa: E402
 
 
 @dataclass
@@ -101,7 +109,7 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
                       batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
-                      cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk)
+                      cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed)
     cfg.draft.num_anchors, cfg.draft.block_size = s.anchors, s.block
     cfg.draft.attention = args.attention
     if name == "smollm2":
@@ -221,20 +229,28 @@ def main() -> int:
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
     p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
+                   help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
     args = p.parse_args()
 
+    rank, world = init_distributed()  # (0, 1) in a single process
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1 and device.type == "cuda":  # one GPU per rank
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     args.param_dtype = args.param_dtype or ("bfloat16" if device.type == "cuda" else "float32")
     s = SHAPES[args.config]
     for field in ("seq", "anchors", "batch"):
         if getattr(args, field):
             setattr(s, field, getattr(args, field))
     trainer = build(args.config, s, args, device)
-    batch = random_batch(s, device, 0)
+    batch = random_batch(s, device, rank)  # each rank its own rows
     density = mask_density(trainer, batch, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     time_steps(trainer, batch, device, args.warmup)
+    if world > 1:
+        dist.barrier()  # every rank starts the measured steps together
     ms = time_steps(trainer, batch, device, args.steps)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     peak = matmul_peak(device)
@@ -258,6 +274,18 @@ def main() -> int:
         result.update({"latency_ms": latency, **{f"ms_{k}": v for k, v in runs.items()},
                        "latency_slowdown_sync_free": runs["free_lat"] / runs["free_0"],
                        "latency_slowdown_forced_sync": runs["sync_lat"] / runs["sync_0"]})
+    if world > 1:  # per-rank figures (each rank steps on its own batch) and the total over ranks
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, {"ms_per_step": ms, "tokens_per_s": result["tokens_per_s"],
+                                          "peak_mem_gib": peak_mem})
+        result.update({"world_size": world, "distributed": args.distributed,
+                       "ms_per_step_per_rank": [r["ms_per_step"] for r in per_rank],
+                       "tokens_per_s_per_rank": [r["tokens_per_s"] for r in per_rank],
+                       "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
+                       "tokens_per_s_total": sum(r["tokens_per_s"] for r in per_rank)})
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
@@ -268,6 +296,9 @@ def main() -> int:
     if args.latency:
         line += (f"; latency {result['latency_ms']:.0f} ms: sync-free x{result['latency_slowdown_sync_free']:.2f}, "
                  f"forced-sync x{result['latency_slowdown_forced_sync']:.2f}")
+    if world > 1:
+        line += (f"; {world} ranks ({args.distributed}): {result['tokens_per_s_total']:.0f} tokens/s total, per rank "
+                 + " / ".join(f"{t:.0f}" for t in result["tokens_per_s_per_rank"]))
     print(line)
     return 0
 

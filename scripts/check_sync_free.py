@@ -11,23 +11,34 @@
 On a machine without CUDA only part 1 runs (the dispatch detector on CPU), on tiny shapes.
 Ends with one summary line.
 
+Several processes (`torchrun --nproc_per_node N` / `accelerate launch --num_processes N`): each rank
+runs part 1 on its own GPU (cuda:LOCAL_RANK) with the draft under DDP or FSDP2 (`--distributed`) and
+its share of the data; instead of stopping at the first sync (which would leave the other ranks
+waiting in a collective), every rank counts its syncs (dispatch findings + CUDA sync-debug warnings)
+and rank 0 prints the total over ranks. Part 2 (the CUDA graph) is single-process only.
+
     python scripts/check_sync_free.py
+    torchrun --nproc_per_node 2 scripts/check_sync_free.py --distributed fsdp2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import TrainConfig  # noqa: E402
+from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
 from dflash.data import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
 from dflash.syncs import forbid_syncs  # noqa: E402
-from dflash.trainer import DFlashTrainer  # noqa: E402
+from dflash.trainer import DFlashTrainer, init_distributed  # noqa: E402
 
 
 def tiny_llama(cuda: bool):
@@ -43,9 +54,9 @@ def tiny_llama(cuda: bool):
     return LlamaForCausalLM(cfg)
 
 
-def config(cuda: bool, **kw) -> TrainConfig:
-    cfg = TrainConfig(device="cuda" if cuda else "cpu", max_steps=1000, batch_size=8 if cuda else 2,
-                      log_interval=10**9, **kw)
+def config(cuda: bool, device: torch.device | None = None, **kw) -> TrainConfig:
+    device = device if device is not None else torch.device("cuda" if cuda else "cpu")
+    cfg = TrainConfig(device=str(device), max_steps=1000, batch_size=8 if cuda else 2, log_interval=10**9, **kw)
     cfg.draft.num_layers, cfg.draft.block_size = 2, 16 if cuda else 4
     cfg.draft.num_anchors = 64 if cuda else 8
     cfg.draft.mask_token_id = 0
@@ -62,18 +73,30 @@ def rows(n: int, seq: int, vocab: int, prompt: int, seed: int = 0) -> list[dict[
     return out
 
 
-def sync_free_steps(cuda: bool, steps: int) -> int:
-    """Run `steps` non-log steps from the real loader inside forbid_syncs; return steps done."""
-    device = torch.device("cuda" if cuda else "cpu")
-    trainer = DFlashTrainer(config(cuda), target=tiny_llama(cuda), tokenizer=None)
+def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = None, distributed: str = "ddp",
+                    rank: int = 0, world: int = 1) -> tuple[int, int]:
+    """Run `steps` non-log steps from the real loader inside forbid_syncs; return (steps done, syncs).
+
+    One process: the first sync raises. Several: each sync is counted (so every rank reaches the
+    end and its collectives) and reported on stderr with the rank.
+    """
+    device = device if device is not None else torch.device("cuda" if cuda else "cpu")
+    trainer = DFlashTrainer(config(cuda, device, distributed=distributed), target=tiny_llama(cuda), tokenizer=None)
     seq, vocab = (512, 49_152) if cuda else (64, 256)
-    data = rows(64, seq, vocab, prompt=seq // 4)
-    loader = make_dataloader(data, trainer.config.batch_size * 2, Collator(0, 64, seq), num_workers=2)
+    data = rows(64 * world, seq, vocab, prompt=seq // 4)
+    loader = make_dataloader(data, trainer.config.batch_size * 2, Collator(0, 64, seq), num_workers=2, rank=rank,
+                             world_size=world)
     batches = iter(DevicePrefetcher(loader, device))
     trainer.train_step(next(batches))  # first step outside: lazy allocations, kernel autotuning, caches
     done = 0
-    # On a GPU forbid_syncs turns on the CUDA sync debug mode ("error") and the dispatch-level detector.
-    with forbid_syncs(device=device if cuda else None):
+    collect = world > 1
+    # On a GPU forbid_syncs turns on the CUDA sync debug mode ("error"; "warn" when counting) and the
+    # dispatch-level detector.
+    with contextlib.ExitStack() as stack:
+        caught = stack.enter_context(warnings.catch_warnings(record=True)) if collect else []
+        if collect:
+            warnings.simplefilter("always")
+        report = stack.enter_context(forbid_syncs(device=device if cuda else None, raise_on_first=not collect))
         for _ in range(steps):
             try:
                 batch = next(batches)
@@ -82,8 +105,14 @@ def sync_free_steps(cuda: bool, steps: int) -> int:
                 batch = next(batches)
             trainer.train_step(batch)
             done += 1
+    cuda_syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    for w in caught:  # anything else was not ours to swallow
+        if w not in cuda_syncs:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    for finding in [*map(str, report.findings), *(str(w.message) for w in cuda_syncs)][:10]:
+        print(f"rank {rank}: {finding}", file=sys.stderr)
     trainer.metrics.flush()  # the log flush: a sync point, outside the region
-    return done
+    return done, len(report.findings) + len(cuda_syncs)
 
 
 def graph_vs_eager(steps: int) -> tuple[float, list[float], list[float]]:
@@ -110,9 +139,26 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--graph-steps", type=int, default=20)
     p.add_argument("--tolerance", type=float, default=2e-2, help="max relative loss difference graph vs eager")
+    p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
+                   help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
-    done = sync_free_steps(cuda, args.steps)
+    rank, world = init_distributed()  # (0, 1) in a single process
+    if world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+        done, syncs = sync_free_steps(cuda, args.steps, device=device, distributed=args.distributed, rank=rank,
+                                      world=world)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, syncs)
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0 if sum(per_rank) == 0 else 1
+        detector = f"{'cuda debug mode + ' if cuda else ''}dispatch detector"
+        print(f"check_sync_free: {sum(per_rank)} syncs in {done} non-log steps on each of {world} ranks "
+              f"({args.distributed}; per rank {per_rank}; {detector}); CUDA graph: skipped (several processes)"
+              + (": PASS" if sum(per_rank) == 0 else ": FAIL"))
+        return 0 if sum(per_rank) == 0 else 1
+    done, _ = sync_free_steps(cuda, args.steps)
     summary = f"check_sync_free: 0 syncs in {done} non-log steps ({'cuda debug mode + ' if cuda else ''}dispatch detector)"
     ok = True
     if cuda:

@@ -82,6 +82,19 @@ def continuation_batch(target, num_prompts: int = 8, prompt_len: int = 6, new_to
     return ids, loss_mask
 
 
+def train_on_continuations(target, steps: int = 20):
+    """A trainer whose draft was trained briefly on the target's own greedy continuations (it learns
+    their cycles, so real speculative decoding accepts tokens)."""
+    from dflash.trainer import DFlashTrainer
+
+    ids, loss_mask = continuation_batch(target)
+    trainer = DFlashTrainer(tiny_config(max_steps=steps, optim__lr=1e-2), target=target)
+    for step in range(steps):
+        rows = torch.arange(4) + (4 * step) % 8
+        trainer.train_step({"input_ids": ids[rows], "loss_mask": loss_mask[rows]})
+    return trainer
+
+
 def save_tiny_target(path) -> None:
     """A 4-layer Llama with the SmolLM2 tokenizer (and chat template), saved like any HF model folder."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -1,12 +1,23 @@
-"""Run by tests/test_distributed.py under `accelerate launch --cpu --num_processes 2`.
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo).
 
-Each rank trains on its half of a fixed batch with fixed anchors (one step, the optimizer update
-held back so the all-reduced gradients can be compared), then records the anchors it draws in a
-normal step. Rank 0 writes everything to OUT.
+    python tests/dist_worker.py OUT            DDP: one step on each rank's half of a fixed batch with
+                                               fixed anchors (the optimizer update held back so the
+                                               all-reduced gradients can be compared), then the anchors
+                                               each rank draws in a normal step.
+    python tests/dist_worker.py OUT fsdp2      FSDP2: two full steps (2 micro-batches each, updates
+                                               applied) on each rank's half of the batch, recording the
+                                               gathered gradients before each update, the updated
+                                               weights and the reduce-scatters issued; then a step with
+                                               a non-finite loss (must be skipped) and a step inside
+                                               forbid_syncs().
+
+Rank 0 writes everything to OUT.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +30,11 @@ from conftest import make_tiny_target, random_batch, tiny_config  # noqa: E402
 from dflash.anchors import sample_anchors  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
+# The FSDP2 comparison: 2 micro-batches per step, 2 steps, clipping active (the grad norm is ~6).
+FSDP2_CONFIG = {"distributed": "fsdp2", "optim__grad_accum": 2, "optim__max_grad_norm": 1.0}
+FSDP2_STEPS = 2
+FSDP2_DRAFT_SEED = 1000  # + rank: the seed each rank builds its draft with
+
 
 def fixed_plan():
     """The 4-row batch (unequal supervised counts) and its anchors, identical in every process."""
@@ -28,7 +44,21 @@ def fixed_plan():
     return batch, anchors, keep
 
 
-def main(out: Path) -> None:
+def fixed_anchors(anchors: torch.Tensor, keep: torch.Tensor, rows: range):
+    """A stand-in for `sample_anchors` that hands out the fixed anchors of `rows` in order, as many rows
+    per call as the micro-batch has, wrapping around at the end of `rows` (so every step repeats)."""
+    position = 0
+
+    def sample(loss_mask, n, generator=None):
+        nonlocal position
+        take = [rows[(position + j) % len(rows)] for j in range(loss_mask.shape[0])]
+        position = (position + loss_mask.shape[0]) % len(rows)
+        return anchors[take], keep[take]
+
+    return sample
+
+
+def main_ddp(out: Path) -> None:
     torch.manual_seed(0)
     trainer = DFlashTrainer(tiny_config(), target=make_tiny_target())
     rank, world = trainer.rank, trainer.world_size
@@ -55,5 +85,73 @@ def main(out: Path) -> None:
     dist.barrier()
 
 
+def main_fsdp2(out: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    import dflash.objective as objective
+    from dflash.syncs import forbid_syncs
+
+    target = make_tiny_target()  # seeds torch itself: the draft's seed comes after it
+    # Each rank builds different initial weights (different seeds): rank 0's must win, as under DDP.
+    torch.manual_seed(FSDP2_DRAFT_SEED + int(os.environ["RANK"]))
+    trainer = DFlashTrainer(tiny_config(**FSDP2_CONFIG), target=target)
+    rank, world = trainer.rank, trainer.world_size
+    assert world == 2 and trainer.fsdp, (world, trainer.fsdp)
+    params = dict(trainer.draft.named_parameters())
+    assert all(isinstance(p, DTensor) for p in params.values()), "fully_shard left plain parameters"
+    shard_rows = {n: p.to_local().shape[0] for n, p in params.items()}
+    init = trainer.draft_state_dict()
+
+    batch, anchors, keep = fixed_plan()
+    mine = {k: v[2 * rank: 2 * rank + 2] for k, v in batch.items()}
+    objective.sample_anchors = fixed_anchors(anchors, keep, range(2 * rank, 2 * rank + 2))
+
+    reduce_scatters = []  # FSDP2 issues its gradient reduce-scatters through this function
+    real_reduce_scatter = dist.reduce_scatter_single
+
+    def counting_reduce_scatter(*args, **kwargs):
+        reduce_scatters.append(trainer.step)
+        return real_reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
+    grads = []  # the gathered (clipped) gradients each update applies
+    real_step = trainer.optimizer.step
+
+    def recording_step():
+        grads.append(trainer._full({n: p.grad for n, p in trainer.draft.named_parameters()}))
+        real_step()
+
+    trainer.optimizer.step = recording_step
+    for _ in range(FSDP2_STEPS):
+        trainer.train_step(mine)
+    dist.reduce_scatter_single = real_reduce_scatter
+    trainer.optimizer.step = real_step
+    metrics = trainer.metrics.flush()
+    updated = trainer.draft_state_dict()
+
+    # A non-finite loss: the update must be skipped on every shard (weights unchanged), and counted.
+    real_forward = trainer.objective.forward
+
+    def nan_forward(*args, **kwargs):
+        result = real_forward(*args, **kwargs)
+        return dataclasses.replace(result, loss_sum=result.loss_sum * float("nan"))
+
+    trainer.objective.forward = nan_forward
+    trainer.train_step(mine)
+    trainer.objective.forward = real_forward
+    after_nan = trainer.draft_state_dict()
+    nan_metrics = trainer.metrics.flush()
+
+    # Invariant 1 under FSDP2: a non-log step reads nothing back to the host (raises SyncError otherwise).
+    with forbid_syncs():
+        trainer.train_step(mine)
+    trainer.metrics.flush()
+
+    if rank == 0:
+        torch.save({"init": init, "grads": grads, "updated": updated, "metrics": metrics, "after_nan": after_nan,
+                    "nan_metrics": nan_metrics, "reduce_scatters": reduce_scatters, "shard_rows": shard_rows}, out)
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    (main_fsdp2 if sys.argv[2:] == ["fsdp2"] else main_ddp)(Path(sys.argv[1]))

@@ -1,4 +1,5 @@
-"""Two processes (accelerate launch, CPU, gloo) equal one process on the concatenated batch."""
+"""Two processes (accelerate launch, CPU, gloo) equal one process on the concatenated batch, under DDP
+and under FSDP2 (`distributed: fsdp2`); 2-process CLI runs save, resume and export."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # accelerate's multi-process launcher (torchrun underneath); on a CPU-only machine the ranks use gloo.
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-
 
 
 def launch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -58,11 +58,7 @@ def test_two_process_cli_run_resumes(tmp_path):
 
     target = tmp_path / "target"
     save_tiny_target(target)
-    data = tmp_path / "chats.jsonl"
-    with data.open("w") as f:
-        for i in range(40):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say {i} twice"},
-                                             {"role": "assistant", "content": f"{i} {i}. " * 3}]}) + "\n")
+    data = chat_data(tmp_path / "chats.jsonl")
     out = tmp_path / "run"
     args = _args(target, data, out, "max_steps=4", "save_interval=2", "spec_eval_prompts=0", "batch_size=2")
     launch("-m", "dflash", *args)
@@ -71,3 +67,113 @@ def test_two_process_cli_run_resumes(tmp_path):
                                   "batch_size=2"))
     assert [r["step"] for r in read_history(out) if "loss" in r] == [2, 4, 6]
 
+
+def chat_data(path: Path) -> Path:
+    with path.open("w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say {i} twice"},
+                                             {"role": "assistant", "content": f"{i} {i}. " * 3}]}) + "\n")
+    return path
+
+
+def test_distributed_mode_is_validated():
+    from dflash.config import TrainConfig
+
+    assert TrainConfig().distributed == "ddp"
+    assert TrainConfig.from_sources(None, ["distributed=fsdp2"], presets=False).distributed == "fsdp2"
+    with pytest.raises(ValueError, match=r"distributed must be one of ddp, fsdp2 \(got 'zero3'\)"):
+        TrainConfig.from_sources(None, ["distributed=zero3"], presets=False)
+
+
+def test_fsdp2_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, monkeypatch):
+    """FSDP2 on 2 ranks (2 micro-batches per step, 2 updates applied) = one process on the 4 rows."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_worker import FSDP2_CONFIG, FSDP2_DRAFT_SEED, FSDP2_STEPS, fixed_anchors, fixed_plan
+
+    from dflash.trainer import DFlashTrainer
+
+    launch("tests/dist_worker.py", str(tmp_path / "ranks.pt"), "fsdp2")
+    two = torch.load(tmp_path / "ranks.pt")
+
+    batch, anchors, keep = fixed_plan()
+    monkeypatch.setattr("dflash.objective.sample_anchors", fixed_anchors(anchors, keep, range(4)))
+    target = make_tiny_target()
+    torch.manual_seed(FSDP2_DRAFT_SEED)  # rank 0's draft seed (rank 1 built different weights)
+    one = DFlashTrainer(tiny_config(**FSDP2_CONFIG), target=target)  # one process: nothing to shard
+    assert not one.fsdp
+    for name, p in one.draft.state_dict().items():
+        assert torch.equal(two["init"][name], p), f"{name}: the sharded run did not start from rank 0's weights"
+        assert two["shard_rows"][name] < p.shape[0], f"{name} is not sharded"  # rank 0 held part of every tensor
+
+    grads = []
+    real_step = one.optimizer.step
+
+    def recording_step():
+        grads.append({n: p.grad.clone() for n, p in one.draft.named_parameters()})
+        real_step()
+
+    monkeypatch.setattr(one.optimizer, "step", recording_step)
+    for _ in range(FSDP2_STEPS):
+        one.train_step(batch)
+    assert len(two["grads"]) == len(grads) == FSDP2_STEPS
+    for step, (sharded, single) in enumerate(zip(two["grads"], grads, strict=True)):
+        for name, g in single.items():  # the clipped gradient each update applied
+            torch.testing.assert_close(sharded[name], g, rtol=1e-4, atol=1e-7, msg=f"step {step}: {name}")
+    for name, p in one.draft.state_dict().items():  # the weights after both AdamW updates
+        torch.testing.assert_close(two["updated"][name], p, rtol=1e-4, atol=1e-7, msg=name)
+    single = one.metrics.flush()
+    for key in ("loss", "accuracy", "tau", "supervised_tokens", "anchors_kept", "grad_norm", "lr"):
+        assert two["metrics"][key] == pytest.approx(single[key], rel=1e-5), key
+    assert single["grad_norm"] > tiny_config(**FSDP2_CONFIG).optim.max_grad_norm  # clipping was active
+    # Gradients crossed ranks once per step: one reduce-scatter per shard group (2 layers + the draft),
+    # in the last micro-batch only.
+    groups = len(one.draft.layers) + 1
+    assert two["reduce_scatters"] == [step for step in range(FSDP2_STEPS) for _ in range(groups)]
+    # A non-finite loss: the update was skipped on every shard, and counted once (not once per rank).
+    assert two["nan_metrics"]["nonfinite_skips"] == 1 and two["nan_metrics"]["nonfinite_run"] == 1
+    for name, t in two["updated"].items():
+        assert torch.equal(two["after_nan"][name], t), name
+
+
+def test_fsdp2_cli_run_saves_resumes_and_exports(tmp_path):
+    """`distributed=fsdp2` through the CLI on 2 processes: a 6-step run (checkpoints at 2, 4, 6, export,
+    speculative evaluation), and a second run resumed from its step-4 checkpoint that ends at the same
+    weights and optimizer state; the export is one consolidated file that `load_exported` reads back."""
+    from safetensors.torch import load_file
+    from test_cli import _args
+
+    from dflash.checkpoint import load_checkpoint
+    from dflash.export import load_exported
+    from dflash.reporting import read_history
+
+    target = tmp_path / "target"
+    save_tiny_target(target)
+    data = chat_data(tmp_path / "chats.jsonl")
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    common = ("distributed=fsdp2", "save_interval=2", "batch_size=2", "max_steps=6")
+    launch("-m", "dflash", *_args(target, data, run, *common))
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000006"
+    assert [r["step"] for r in read_history(run) if "loss" in r] == [2, 4, 6]
+    assert (run / "export" / "eval.json").exists()  # speculative decoding ran on rank 0 with the full draft
+    step4 = run / "checkpoints" / "step-00000004"
+    launch("-m", "dflash", *_args(target, data, resumed, *common, f"resume_from={step4}", "spec_eval_prompts=0"))
+    assert [r["step"] for r in read_history(resumed) if "loss" in r] == [6]
+
+    straight_draft, _, straight = load_checkpoint(run / "checkpoints" / "step-00000006")
+    resumed_draft, _, again = load_checkpoint(resumed / "checkpoints" / "step-00000006")
+    assert straight_draft.keys() == resumed_draft.keys()
+    for name, w in straight_draft.items():
+        torch.testing.assert_close(resumed_draft[name], w, rtol=1e-5, atol=1e-7, msg=name)
+    assert again["step"] == straight["step"] == 6 and again["world_size"] == 2
+    full_shapes = sorted(tuple(w.shape) for w in straight_draft.values())  # consolidated, not rank 0's shard
+    assert sorted(tuple(m["exp_avg"].shape) for m in straight["optimizer"]["state"].values()) == full_shapes
+    for i, moments in straight["optimizer"]["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(again["optimizer"]["state"][i][key], value, rtol=1e-5, atol=1e-9,
+                                       msg=f"{i}.{key}")
+
+    exported = load_exported(run / "export").state_dict()  # shapes checked against config.json
+    assert exported.keys() == straight_draft.keys()
+    assert load_file(str(run / "export" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    for name, w in straight_draft.items():
+        assert torch.equal(exported[name], w.to(torch.bfloat16).float()), name

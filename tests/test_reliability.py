@@ -71,6 +71,20 @@ def test_sigterm_saves_cleanly_and_resume_is_bit_identical(tmp_path, monkeypatch
     assert losses(tmp_path / "a") == losses(tmp_path / "b")  # steps 1..3 then 4..6, same values
 
 
+def test_resume_restores_the_anchor_generator(tmp_path):
+    """A CUDA-graph run continues its anchor stream from the saved generator state (eager steps reseed
+    from (seed, rank, step); graph replays cannot), so the checkpoint carries it and resume restores it."""
+    first = fresh_trainer(run_config(tmp_path / "a", max_steps=3))
+    first.fit()
+    saved = first.state_dict()
+    second = fresh_trainer(run_config(tmp_path / "b"))
+    second.anchor_generator.manual_seed(999)
+    assert not torch.equal(second.anchor_generator.get_state(), saved["anchor_rng"])
+    second.load_state_dict(saved)
+    assert torch.equal(second.anchor_generator.get_state(), saved["anchor_rng"])
+    assert torch.equal(torch.get_rng_state(), saved["torch_rng"])
+
+
 def test_sigkill_during_a_save_loses_nothing_before_it(tmp_path):
     """A child process is killed with SIGKILL in the middle of writing its 3rd checkpoint."""
     child = textwrap.dedent(f"""

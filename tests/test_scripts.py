@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,24 @@ def test_bench_step_tiny(tmp_path):
     assert result["ms_per_step"] > 0 and 0 < result["mask_density"] < 1
     assert {"ms_free_0", "ms_free_lat", "ms_sync_0", "ms_sync_lat"} <= result.keys()
     assert stdout.strip().splitlines()[-1].startswith("bench tiny")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_bench_step_two_processes(tmp_path, mode):
+    """`accelerate launch --num_processes 2` (CPU, gloo): rank 0 writes the JSON and the one summary line,
+    with per-rank and total tokens/s."""
+    from test_distributed import LAUNCH
+
+    out = subprocess.run([*LAUNCH, "scripts/bench_step.py", "--config", "tiny", "--steps", "2", "--warmup", "1",
+                          "--distributed", mode, "--json", str(tmp_path / "b.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["world_size"] == 2 and result["distributed"] == mode
+    assert len(result["tokens_per_s_per_rank"]) == len(result["ms_per_step_per_rank"]) == 2
+    assert result["tokens_per_s_total"] == pytest.approx(sum(result["tokens_per_s_per_rank"]))
+    summaries = [line for line in out.stdout.splitlines() if line.startswith("bench tiny")]
+    assert len(summaries) == 1 and f"2 ranks ({mode})" in summaries[0]  # printed by rank 0 only
 
 
 def test_flop_counting_reproduces_specforge_figure():

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_MASK_ID, TINY_VOCAB, continuation_batch, make_tiny_target, tiny_config
+from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, train_on_continuations
 from dflash import speculative as sp
 from dflash.attention import dense_dflash_mask
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.target import FrozenTarget
-from dflash.trainer import DFlashTrainer
 
 BS = 4
 
@@ -35,13 +34,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def trained(target):
-    """A draft trained briefly on the target's own greedy continuations (it learns their cycles)."""
-    ids, loss_mask = continuation_batch(target)
-    trainer = DFlashTrainer(tiny_config(max_steps=20, optim__lr=1e-2), target=target)
-    for step in range(20):
-        rows = torch.arange(4) + (4 * step) % 8
-        trainer.train_step({"input_ids": ids[rows], "loss_mask": loss_mask[rows]})
-    return trainer
+    return train_on_continuations(target)
 
 
 def _oracle(reference: list[int], prompt_len: int, shift: int = 0):
