@@ -55,13 +55,15 @@ def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module
     draft.eval()
     report = evaluate_speculative(target_model, draft, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop_ids(target_model, tokenizer))
-    report["lossless"] = True  # evaluate_speculative raises LosslessError otherwise
+    report["lossless"] = True  # evaluate_speculative raises LosslessError otherwise (rounding ties are listed)
     return report
 
 
 def format_report(r: dict[str, Any]) -> str:
     per_pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"])
-    return (f"tau {r['tau']:.3f} over {r['num_prompts']} prompts ({r['new_tokens']} new tokens, lossless) | "
+    ties = r.get("numerical_ties") or []
+    checked = f"lossless, {len(ties)} prompt(s) parted at a rounding tie" if ties else "lossless"
+    return (f"tau {r['tau']:.3f} over {r['num_prompts']} prompts ({r['new_tokens']} new tokens, {checked}) | "
             f"speed-up x{r['speedup']:.2f} ({r['speculative_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tok/s)\n"
             f"per-position acceptance: {per_pos}\nacceptance histogram (1..bs): {r['acceptance_histogram']}")
 

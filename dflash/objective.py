@@ -124,10 +124,11 @@ class DFlashObjective(nn.Module):
 
     # ---- blocks ---------------------------------------------------------------------------
 
-    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
-        """Anchors `[B, N]`, keep `[B, N]` and block targets for one micro-batch (no forward pass)."""
-        anchors, keep = sample_anchors(loss_mask, self.num_anchors, generator=generator)
+    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
+             num_anchors: int | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+        """Anchors `[B, N]`, keep `[B, N]` and block targets for one micro-batch (no forward pass).
+        `num_anchors` overrides the training width N (evaluation scores every valid position)."""
+        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator)
         return anchors, keep, block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma)
 
     def mask(self, anchors: torch.Tensor, keep: torch.Tensor, seq_len: int) -> Any:
@@ -156,7 +157,7 @@ class DFlashObjective(nn.Module):
             block_ids, positions = self.block_inputs(input_ids, anchors)
             hidden = self._draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
                                       target_hidden=features)  # [B, N*bs, H]
-        return hidden.view(bsz, self.num_anchors, self.block_size, -1), labels
+        return hidden.view(bsz, anchors.shape[1], self.block_size, -1), labels
 
     def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
                 targets: BlockTargets) -> BlockOutput:

@@ -83,7 +83,9 @@ def plot_loss(history: History, ax: Any) -> Any:
 
 def plot_tau(history: History, ax: Any) -> Any:
     """Teacher-forced acceptance length τ̂ (1 + mean accepted prefix per kept block)."""
-    for key, label, style in (("tau", "train", "-"), ("eval_tau", "held-out", "o--"), ("base_tau", "train (base)", ":")):
+    for key, label, style in (("tau", "train", "-"), ("eval_tau", "held-out", "o--"),
+                              ("eval_chain_tau", "held-out chain (predicts real τ)", "s-."),
+                              ("base_tau", "train (base)", ":")):
         steps, values = series(history, key)
         if steps:
             ax.plot(steps, values, style, label=label)

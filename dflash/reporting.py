@@ -16,7 +16,7 @@ log = logging.getLogger("dflash")
 def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}/{max_steps}"]
     for key, fmt in (("loss", ".4f"), ("accuracy", ".3f"), ("tau", ".3f"), ("lr", ".2e"), ("grad_norm", ".3f"),
-                     ("tokens_per_s", ".0f"), ("eval_tau", ".3f"), ("eval_accuracy", ".3f")):
+                     ("tokens_per_s", ".0f"), ("eval_tau", ".3f"), ("eval_chain_tau", ".3f"), ("eval_accuracy", ".3f")):
         if key in metrics:
             parts.append(f"{key} {metrics[key]:{fmt}}")
     return " | ".join(parts)

@@ -21,7 +21,11 @@ keeps training and serving in agreement.)
 Every emitted token is the target's own greedy choice given the emitted prefix, so the output equals
 plain greedy decoding token for token (`evaluate_speculative` checks it). Up to numerics: the
 verification runs several positions in one forward, which in bf16 can flip a near-tie argmax
-relative to one-token decoding; in fp32 the check is exact in practice.
+relative to one-token decoding (seen on an H200 with the embedded target: a first difference at new
+token 10 of the first prompt). `evaluate_speculative` therefore accepts a first difference only where
+`near_tie` finds the two tokens' logits equal within bf16 rounding; it records the prompt and
+position in `numerical_ties` and stops comparing that prompt there. Any other difference raises
+`LosslessError`. In fp32 the check is exact in practice.
 
 Definitions (all host-side, over the decode phase; the prefill's first token is not counted):
     acceptance length of a target forward = tokens it emitted = accepted drafts + 1, cut at a stop
@@ -38,9 +42,10 @@ training step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,13 +352,32 @@ def target_generate(target_model: nn.Module, input_ids: Any, max_new_tokens: int
 # ---- evaluation ----------------------------------------------------------------------------------
 
 
-def check_lossless(prompt_index: int, expected: list[int], got: list[int]) -> None:
-    """Raise `LosslessError` at the first position where the two token lists differ."""
+def check_lossless(prompt_index: int, expected: list[int], got: list[int],
+                   near_tie: Callable[[int], bool] | None = None) -> int | None:
+    """None when the two token lists are equal. At the first difference: its position when
+    `near_tie(position)` says both tokens are the target's greedy choice up to rounding, otherwise
+    raise `LosslessError`."""
     if expected == got:
-        return
+        return None
     position = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
                     min(len(expected), len(got)))
+    if near_tie is not None and position < min(len(expected), len(got)) and near_tie(position):
+        return position
     raise LosslessError(prompt_index, position, expected, got)
+
+
+@torch.inference_mode()
+def near_tie(target_model: nn.Module, prompt: Sequence[int], expected: list[int], got: list[int], position: int,
+             ulps: float = 4.0) -> bool:
+    """Whether `expected[position]` and `got[position]` are tied in the target's logits after the
+    common prefix, within `ulps` units of the model dtype's rounding at the logits' scale. A bf16
+    verification forward over a block and one-token decoding round differently and can pick either
+    of two (near-)equal logits; that is not a draft error. One full forward without a cache."""
+    param = next(target_model.parameters())
+    ids = torch.tensor([list(prompt) + list(expected[:position])], device=param.device)
+    logits = target_model(input_ids=ids).logits[0, -1].float()
+    gap = (logits[expected[position]] - logits[got[position]]).abs()
+    return bool(gap <= ulps * torch.finfo(param.dtype).eps * logits.abs().max().clamp(min=1.0))
 
 
 def acceptance_stats(results: Sequence[SpecResult], block_size: int) -> dict[str, Any]:
@@ -400,12 +424,15 @@ def evaluate_speculative(
         target_generate(target_model, prompts[0], min(max_new_tokens, 2 * bs), stops)
         speculative_generate(target_model, draft, prompts[0], max_new_tokens=min(max_new_tokens, 2 * bs),
                              stop_token_ids=stops, block_size=bs)
-    spec_results, base_results = [], []
+    spec_results, base_results, ties = [], [], []
     for i, prompt in enumerate(prompts):
         base = target_generate(target_model, prompt, max_new_tokens, stops)
         spec = speculative_generate(target_model, draft, prompt, max_new_tokens=max_new_tokens,
                                     stop_token_ids=stops, block_size=bs)
-        check_lossless(i, base.output_ids, spec.output_ids)
+        tie = check_lossless(i, base.output_ids, spec.output_ids,
+                             functools.partial(near_tie, target_model, prompt, base.output_ids, spec.output_ids))
+        if tie is not None:
+            ties.append({"prompt": i, "position": tie})
         base_results.append(base)
         spec_results.append(spec)
     new_tokens = sum(len(r.output_ids) for r in spec_results)
@@ -421,4 +448,5 @@ def evaluate_speculative(
         "speculative_tokens_per_s": spec_tps,
         "target_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps > 0 else float("nan"),
+        "numerical_ties": ties,  # prompts whose outputs parted at a rounding tie (see `near_tie`)
     }

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from dflash.anchors import anchor_seed
+from dflash.anchors import anchor_seed, valid_anchor_mask
 from dflash.config import TrainConfig
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
@@ -371,27 +371,40 @@ class DFlashTrainer:
 
     @torch.no_grad()
     def evaluate(self, dataset: Any, *, max_batches: int | None = None) -> dict[str, Any]:
-        """Teacher-forced metrics on held-out rows: loss, accuracy, tau, per-position accuracy.
+        """Teacher-forced metrics on held-out rows: loss, accuracy, tau, per-position accuracy, and
+        `chain_tau` (dflash.chain: the acceptance replayed along a real decoder's path, capped at
+        `spec_eval_max_new_tokens`, the estimate of real tau; `tau` averages over every position).
 
-        Anchors are drawn from a fixed seed, so evaluations at different steps see the same blocks.
+        Every valid position is an anchor (no sampling), so evaluations at different steps score the
+        same blocks. A SYNC POINT (the chain reads accepted lengths to the host).
         """
+        from dflash.chain import chain_tau_sums
         from dflash.data import make_dataloader
+        from dflash.losses import accepted_prefix_length
 
         loader = make_dataloader(dataset, self.config.batch_size, self._collator(), shuffle=False,
                                  num_workers=0, drop_last=False)
         metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
-        generator = torch.Generator(device=self.device)
+        emitted = forwards = 0
         self.objective.eval()
         for i, batch in enumerate(loader):
             if max_batches is not None and i >= max_batches:
                 break
             ids = batch["input_ids"].to(self.device)
             mask = batch["loss_mask"].to(self.device)
-            generator.manual_seed(anchor_seed(self.config.seed + 1, 0, i))
-            anchors, keep, targets = self.objective.plan(ids, mask, generator)
-            self.objective.accumulate(metrics, self.objective(ids, anchors, keep, targets), keep, targets)
+            width = max(1, int(valid_anchor_mask(batch["loss_mask"]).sum(dim=1).max()))  # every valid anchor
+            anchors, keep, targets = self.objective.plan(ids, mask, None, num_anchors=width)
+            out = self.objective(ids, anchors, keep, targets)
+            self.objective.accumulate(metrics, out, keep, targets)
+            accepted = accepted_prefix_length(out.correct, targets.valid[..., 1:])
+            per_position = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+            rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(anchors)
+            per_position[rows[keep], anchors[keep]] = accepted[keep]
+            e, f = chain_tau_sums(per_position, mask, self.config.spec_eval_max_new_tokens)
+            emitted, forwards = emitted + e, forwards + f
         metrics.add("steps", 1.0)
         out = metrics.flush()
+        out.update(chain_tau=emitted / max(forwards, 1), chain_forwards=forwards)
         return {k: v for k, v in out.items() if k not in ("grad_norm", "lr", "nonfinite_skips")}
 
     # ---- state ------------------------------------------------------------------------------

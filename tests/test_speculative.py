@@ -222,6 +222,31 @@ def test_lossless_error_names_prompt_and_position(target, monkeypatch):
         sp.check_lossless(0, [1, 2, 3], [1, 2])
 
 
+def test_a_first_difference_at_a_rounding_tie_is_listed_not_raised(target, monkeypatch):
+    """A bf16 block verification may pick the other of two equal logits: `near_tie` tells that apart
+    from a draft error, and evaluation lists it instead of failing."""
+    prompt = _prompts(2)[1]
+    ref = sp.target_generate(target, prompt, 8).output_ids
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt + ref[:3]])).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    assert not sp.near_tie(target, prompt, ref, ref[:3] + [runner_up], 3)  # a real gap in fp32 is no tie
+    assert sp.near_tie(target, prompt, ref, ref, 3)  # the same logit: a gap of 0
+
+    real = sp.speculative_generate
+
+    def corrupt(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if args[2] == prompt:
+            result.output_ids[3] = runner_up
+        return result
+
+    monkeypatch.setattr(sp, "speculative_generate", corrupt)
+    monkeypatch.setattr(sp, "near_tie", lambda *args, **kwargs: True)  # as if the two logits were equal
+    report = sp.evaluate_speculative(target, _draft(target), _prompts(2), max_new_tokens=8, warmup=False)
+    assert report["numerical_ties"] == [{"prompt": 1, "position": 3}]
+
+
 # ---- τ and per-position acceptance ---------------------------------------------------------------
 
 

@@ -1,0 +1,54 @@
+"""The decode chain: teacher-forced acceptance replayed along the path a real decoder takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import continuation_batch, make_tiny_target, train_on_continuations
+from dflash import speculative as sp
+from dflash.chain import chain_tau_sums, reply_spans
+
+
+def test_reply_spans():
+    assert reply_spans([0, 1, 1, 0, 0, 1, 0, 1]) == [(1, 2), (5, 5), (7, 7)]
+    assert reply_spans([1, 1]) == [(0, 1)] and reply_spans([0, 0]) == []
+
+
+def test_chain_follows_accepted_lengths_by_hand():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])  # reply at 2..7: the prefill makes 2, blocks make 3..7
+    acc = torch.tensor([[-1, -1, 2, 9, 9, 0, 1, -1]])  # 9s are skipped over by the chain
+    # p=2 accepts 2 -> emits 3, 4, 5 (bonus); p=5 accepts 0 -> emits 6; p=6 accepts 1 -> only 7 is left.
+    assert chain_tau_sums(acc, mask) == (5, 3)
+    assert chain_tau_sums(acc, mask, max_new_tokens=3) == (2, 1)  # 3 new tokens: prefill + 2 from one block
+    with pytest.raises(ValueError, match="position 2"):
+        chain_tau_sums(torch.full((1, 8), -1), mask)
+
+
+def test_uniform_average_overstates_the_chain_when_acceptance_varies():
+    """An easy stretch of 8 tokens then hard positions: the chain crosses the stretch in one block."""
+    mask = torch.ones(1, 20, dtype=torch.int)
+    acc = torch.tensor([[8, 7, 6, 5, 4, 3, 2, 1] + [0] * 12])[:, :20]
+    emitted, forwards = chain_tau_sums(acc, mask)
+    uniform = (acc[0, :19] + 1).float().mean().item()  # every valid anchor, as uniform sampling averages
+    assert emitted == 19 and forwards == 11  # one block of 9 tokens, then ten blocks of one
+    assert uniform > 1.2 * emitted / forwards
+
+
+@pytest.mark.parametrize("new_tokens", [26, 12])
+def test_held_out_chain_tau_equals_real_tau_on_the_targets_greedy_text(new_tokens):
+    """On text the target itself generates greedily, the chain is the real decoder's path: the held-out
+    evaluation's chain τ̂ equals τ from real (lossless) speculative decoding of the same prompts."""
+    import datasets
+
+    target = make_tiny_target()
+    trainer = train_on_continuations(target)
+    ids, loss_mask = continuation_batch(target)  # prompts of 6 tokens + 26 greedy tokens
+    trainer.config.spec_eval_max_new_tokens = new_tokens
+    rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": loss_mask.int().tolist()})
+    held_out = trainer.evaluate(rows)
+    real = sp.evaluate_speculative(target, trainer.draft.eval(), ids[:, :6].tolist(), max_new_tokens=new_tokens,
+                                   warmup=False)
+    assert real["tau"] > 1.1  # the draft accepts: a chain of all-ones would prove nothing
+    assert held_out["chain_tau"] == pytest.approx(real["tau"], rel=1e-9)
+    assert held_out["chain_forwards"] == real["target_forwards"]
