@@ -231,11 +231,13 @@ class DominoObjective(DFlashObjective):
 
     # ---- blocks ---------------------------------------------------------------------------
 
-    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
-        """DFlash's plan, plus the scheduled-sampling draws from the same generator (after the anchors)."""
-        anchors, keep, targets = super().plan(input_ids, loss_mask, generator)
-        if self.scheduled_sampling == 0:
+    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
+             num_anchors: int | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+        """DFlash's plan, plus the scheduled-sampling draws from the same generator (after the anchors).
+        Evaluation (eval mode) draws none: the GRU reads labels, which is what serving's GRU reads along
+        an accepted prefix, the only part the accepted length depends on."""
+        anchors, keep, targets = super().plan(input_ids, loss_mask, generator, num_anchors)
+        if self.scheduled_sampling == 0 or not self.training:
             return anchors, keep, targets
         shape = (*anchors.shape, self.block_size - 1)
         sampled = torch.rand(shape, generator=generator, device=input_ids.device) < self.scheduled_sampling

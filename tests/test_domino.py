@@ -468,3 +468,19 @@ def test_oracle_domino_head_reaches_tau_equal_block_size(target, monkeypatch):
         spec = sp.speculative_generate(target, draft, prompt, max_new_tokens=1 + 3 * BS)
         monkeypatch.undo()
         assert spec.output_ids == ref and spec.tau == BS and spec.num_target_forwards == 3
+
+
+def test_held_out_evaluation_scores_every_anchor_without_scheduled_sampling():
+    """Evaluation of a Domino draft trained with scheduled sampling: every valid anchor, no sampled GRU
+    inputs (so two evaluations agree exactly), and the chain estimate of real tau."""
+    import datasets
+
+    trainer = _trainer(domino__scheduled_sampling=0.5)
+    batch = random_batch(batch=4, seq=24)
+    trainer.train_step(batch)
+    rows = datasets.Dataset.from_dict({"input_ids": batch["input_ids"].tolist(),
+                                       "loss_mask": batch["loss_mask"].int().tolist()})
+    first, second = trainer.evaluate(rows), trainer.evaluate(rows)
+    assert first == second
+    assert first["chain_tau"] >= 1.0 and first["chain_forwards"] > 0
+    assert first["anchors_kept"] == 1.0  # every drawn slot is a real anchor: the width is the valid count

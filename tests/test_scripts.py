@@ -58,3 +58,25 @@ def test_flop_counting_reproduces_specforge_figure():
 def test_check_sync_free_cpu():
     stdout = run("scripts/check_sync_free.py", "--steps", "3")
     assert stdout.strip().splitlines()[-1].endswith("PASS")
+
+
+def test_compare_recipes_tiny(tmp_path):
+    """Two variants share one loaded target; each trains, evaluates (uniform and chain τ̂) and decodes."""
+    from conftest import save_tiny_target
+
+    save_tiny_target(tmp_path / "target")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} plus {i}?"},
+        {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 3)}]}) + "\n" for i in range(24)))
+    out = tmp_path / "compare"
+    stdout = run("scripts/compare_recipes.py", "--variants", "labels-data,domino", "--steps", "2", "--out", str(out),
+                 f"target={tmp_path / 'target'}", f"data.source={data}", "device=cpu", "draft.mask_token_id=16",
+                 "draft.block_size=4", "draft.num_anchors=8", "batch_size=4", "data.max_length=64",
+                 "data.bucket_multiple=32", "data.eval_size=4", "data.num_workers=0", "data.regenerate_max_new_tokens=8",
+                 f"data.cache_dir={tmp_path / 'cache'}", "spec_eval_prompts=2", "spec_eval_max_new_tokens=6")
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["variant"] for r in rows] == ["labels-data", "domino"]
+    for r in rows:
+        assert r["steps"] == 2 and r["real_tau"] >= 1.0 and r["held_out_chain_tau"] >= 1.0 and r["held_out_tau"] >= 1.0
+    assert stdout.strip().splitlines()[-1].startswith("compare_recipes (2 steps, cpu)")

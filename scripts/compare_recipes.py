@@ -1,0 +1,84 @@
+"""Compare training recipes on the embedded default, in one process, with the same number of steps.
+
+Each variant is `dflash train` with a few overrides (the embedded default's preset fills the rest);
+the target is loaded once and shared, so one flex-attention compile serves every variant. After
+each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ (dflash.chain), and real
+τ from lossless speculative decoding of the held-out prompts. Ends with one summary line.
+
+    python scripts/compare_recipes.py --steps 1500
+    python scripts/compare_recipes.py --variants regen,domino --steps 1000 key=value ...
+
+Variants: regen (the default: the target's regenerated replies), labels-data (human replies,
+dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
+domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash.config import TrainConfig  # noqa: E402
+from dflash.trainer import DFlashTrainer, load_target, resolve_device, resolve_dtype  # noqa: E402
+
+VARIANTS: dict[str, list[str]] = {
+    "regen": [],
+    "labels-data": ["data.regenerate=false"],
+    "labels-target": ["data.regenerate=false", "data.labels=target"],
+    "domino": ["draft.kind=domino"],
+    "domino-ss": ["draft.kind=domino", "domino.scheduled_sampling=0.5"],
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="regen,labels-data,labels-target,domino")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--out", default="runs/compare")
+    p.add_argument("overrides", nargs="*", help="key=value settings applied to every variant")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    common = [f"max_steps={args.steps}", "progress_bar=false", "save_interval=0", *args.overrides]
+    base = TrainConfig.from_sources(None, common)
+    device = resolve_device(base.device)
+    model, tokenizer = load_target(base.target, resolve_dtype(base.dtype, device))
+    rows = []
+    for name in names:
+        cfg = TrainConfig.from_sources(None, [*common, *VARIANTS[name], f"output_dir={args.out}/{name}"])
+        torch.manual_seed(cfg.seed)  # the same draft initialisation for every DFlash variant
+        start = time.perf_counter()
+        summary = DFlashTrainer(cfg, target=model, tokenizer=tokenizer).fit()
+        held, spec = summary.get("held_out", {}), summary.get("speculative", {})
+        rows.append({"variant": name, "steps": summary["steps"], "minutes": (time.perf_counter() - start) / 60,
+                     "train_tau": summary["train"].get("tau"), "held_out_tau": held.get("tau"),
+                     "held_out_chain_tau": held.get("chain_tau"), "real_tau": spec.get("tau"),
+                     "numerical_ties": len(spec.get("numerical_ties", [])), "speedup": spec.get("speedup")})
+        print(json.dumps(rows[-1]), flush=True)
+
+    def fmt(x):
+        return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(fmt(r[k]) for k in keys) + " |")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "compare.json").write_text(json.dumps(rows, indent=2))
+    print(f"compare_recipes ({args.steps} steps, {device}): "
+          + "; ".join(f"{r['variant']} real tau {fmt(r['real_tau'])} (chain {fmt(r['held_out_chain_tau'])}, "
+                      f"uniform {fmt(r['held_out_tau'])})" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
