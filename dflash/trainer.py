@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from dflash.anchors import anchor_seed, valid_anchor_mask
+from dflash.anchors import anchor_seed
 from dflash.config import TrainConfig
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
@@ -379,7 +379,7 @@ class DFlashTrainer:
         same blocks. A SYNC POINT (the chain reads accepted lengths to the host).
         """
         from dflash.chain import chain_tau_sums
-        from dflash.data import make_dataloader
+        from dflash.data import make_dataloader, max_valid_anchors
         from dflash.losses import accepted_prefix_length
 
         loader = make_dataloader(dataset, self.config.batch_size, self._collator(), shuffle=False,
@@ -392,7 +392,7 @@ class DFlashTrainer:
                 break
             ids = batch["input_ids"].to(self.device)
             mask = batch["loss_mask"].to(self.device)
-            width = max(1, int(valid_anchor_mask(batch["loss_mask"]).sum(dim=1).max()))  # every valid anchor
+            width = max(1, max_valid_anchors(batch["loss_mask"]))  # every valid anchor (host copy of the mask)
             anchors, keep, targets = self.objective.plan(ids, mask, None, num_anchors=width)
             out = self.objective(ids, anchors, keep, targets)
             self.objective.accumulate(metrics, out, keep, targets)
