@@ -47,14 +47,15 @@ def stop_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module, conversations: list[dict[str, Any]],
-                       *, num_prompts: int = 20, max_new_tokens: int = 128) -> dict[str, Any]:
-    """tau, acceptance histogram, per-position acceptance, speed-up on `num_prompts` prompts (lossless-checked)."""
+                       *, num_prompts: int = 20, max_new_tokens: int = 128, return_texts: bool = False) -> dict[str, Any]:
+    """tau, acceptance histogram, per-position acceptance, speed-up on `num_prompts` prompts (lossless-checked);
+    `return_texts`: also the (prompt, output) token ids, see `evaluate_speculative`."""
     from dflash.speculative import evaluate_speculative
 
     prompts = prompt_ids(tokenizer, conversations, num_prompts)
     draft.eval()
     report = evaluate_speculative(target_model, draft, prompts, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=stop_ids(target_model, tokenizer))
+                                  stop_token_ids=stop_ids(target_model, tokenizer), return_texts=return_texts)
     report["lossless"] = True  # evaluate_speculative raises LosslessError otherwise (rounding ties are listed)
     return report
 
@@ -63,6 +64,8 @@ def format_report(r: dict[str, Any]) -> str:
     per_pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"])
     ties = r.get("numerical_ties") or []
     checked = f"lossless, {len(ties)} prompt(s) parted at a rounding tie" if ties else "lossless"
+    chain = r.get("teacher_forced_chain_tau")
+    checked += f"; teacher-forced chain tau on these outputs {chain:.3f}" if chain is not None else ""
     return (f"tau {r['tau']:.3f} over {r['num_prompts']} prompts ({r['new_tokens']} new tokens, {checked}) | "
             f"speed-up x{r['speedup']:.2f} ({r['speculative_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tok/s)\n"
             f"per-position acceptance: {per_pos}\nacceptance histogram (1..bs): {r['acceptance_histogram']}")

@@ -410,13 +410,15 @@ def evaluate_speculative(
     stop_token_ids: Iterable[int] | None = None,
     block_size: int | None = None,
     warmup: bool = True,
+    return_texts: bool = False,
 ) -> dict[str, Any]:
     """Speculative vs plain greedy decoding on every prompt; raises `LosslessError` on any difference.
 
     Returns τ, `acceptance_histogram`, `per_position_acceptance` (module doc), new tokens, target
     forwards, tokens/s of both (new tokens / wall time including prefill) and `speedup`. A sync
     point by design (host reads every step, synchronized timers). `warmup` first runs both briefly
-    on the first prompt so one-time costs (kernel selection, allocator) are not timed.
+    on the first prompt so one-time costs (kernel selection, allocator) are not timed. With
+    `return_texts`, `texts` holds each prompt with its speculative output, `(prompt ids, output ids)`.
     """
     stops = list(stop_token_ids or ())
     bs = block_size or draft.config.block_size
@@ -440,7 +442,7 @@ def evaluate_speculative(
     base_time = sum(r.wall_time_s for r in base_results)
     spec_tps = new_tokens / spec_time if spec_time > 0 else float("nan")
     base_tps = new_tokens / base_time if base_time > 0 else float("nan")
-    return {
+    report = {
         **acceptance_stats(spec_results, bs),
         "block_size": bs,
         "num_prompts": len(prompts),
@@ -450,3 +452,6 @@ def evaluate_speculative(
         "speedup": spec_tps / base_tps if base_tps > 0 else float("nan"),
         "numerical_ties": ties,  # prompts whose outputs parted at a rounding tie (see `near_tie`)
     }
+    if return_texts:
+        report["texts"] = [(list(p), list(r.output_ids)) for p, r in zip(prompts, spec_results, strict=True)]
+    return report

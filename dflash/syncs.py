@@ -335,7 +335,8 @@ class _Checker:
 
 @contextlib.contextmanager
 def forbid_syncs(*, device: torch.device | str | None = None, allow: Iterable[str] = (),
-                 raise_on_first: bool = True, cuda_debug: bool = True) -> Iterator[SyncReport]:
+                 raise_on_first: bool = True, cuda_debug: bool = True,
+                 aten_checks: bool = True) -> Iterator[SyncReport]:
     """Prove that the region makes no host-device synchronization.
 
     Usage::
@@ -359,25 +360,33 @@ def forbid_syncs(*, device: torch.device | str | None = None, allow: Iterable[st
             flagged op still stops the region, with a SyncError listing all findings so far).
         cuda_debug: on a machine with CUDA (and `device` None or CUDA), also turn on
             `torch.cuda.set_sync_debug_mode("error")` ("warn" when collecting).
+        aten_checks: the dispatch- and Python-level checks (default). False leaves the CUDA sync
+            debug mode alone, for regions that call compiled code: torch.compile refuses to run a
+            compiled function under an active user dispatch mode (compiled flex attention then
+            fails), and compiled kernels dispatch no aten ops to inspect anyway.
 
     Fake CUDA: `with fake_cuda_mode(): ... with forbid_syncs(): step()` (setup outside the inner
     block). Either nesting works: FakeTensorMode is an "infra" dispatch mode, which torch always
     runs after user modes, so `forbid_syncs` sees every op, with the fake "cuda" devices, before
     FakeTensorMode computes it.
 
-    Run the region eagerly: inside `torch.compile`d code the modes see the compiled graph, if
-    anything. Work on other threads is not watched (dispatch modes are thread-local).
+    Run the region eagerly, or pass `aten_checks=False` (see above). Work on other threads is not
+    watched (dispatch modes are thread-local).
     """
     dev = torch.device(device) if device is not None else None
     checker = _Checker(dev, allow, raise_on_first)
+    use_cuda = cuda_debug and (dev is None or dev.type == "cuda") and torch.cuda.is_available()
+    if not aten_checks and not use_cuda:
+        raise ValueError("forbid_syncs(aten_checks=False) keeps only the CUDA sync debug mode, and it is off here "
+                         "(no CUDA, cuda_debug=False or a non-CUDA device): nothing would be checked")
     with contextlib.ExitStack() as stack:
-        use_cuda = dev is None or dev.type == "cuda"
-        if cuda_debug and use_cuda and torch.cuda.is_available():
+        if use_cuda:
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error" if raise_on_first else "warn")
             stack.callback(torch.cuda.set_sync_debug_mode, previous)
-        stack.enter_context(_PyReadMode(checker))
-        stack.enter_context(_SyncMode(checker))
+        if aten_checks:
+            stack.enter_context(_PyReadMode(checker))
+            stack.enter_context(_SyncMode(checker))
         yield checker.report_
 
 

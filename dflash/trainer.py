@@ -145,9 +145,12 @@ class DFlashTrainer:
             target, loaded_tok = load_target(config.target, self.dtype)
             tokenizer = tokenizer or loaded_tok
         self.tokenizer, self.dataset, self.rank = tokenizer, dataset, rank
-        # A prebuilt objective (benchmarks, tests) replaces the target/draft construction.
-        self.objective = objective or build_objective(config, target, tokenizer, device=self.device, dtype=self.dtype,
-                                                      draft=draft)
+        # A prebuilt objective (benchmarks, tests) replaces the target/draft construction. `seed` fixes
+        # the draft's initialisation (the same on every rank); the caller's RNG stream is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(config.seed)
+            self.objective = objective or build_objective(config, target, tokenizer, device=self.device,
+                                                          dtype=self.dtype, draft=draft)
         self.target, self.draft = self.objective.target, self.objective.draft
         self.draft_config = self.draft.config
         self.block_size = self.objective.block_size
@@ -337,35 +340,55 @@ class DFlashTrainer:
         """
         if self._graph is None:
             self._static = [{k: v.clone() for k, v in mb.items()} for mb in micro]
-            # Warm up on a side stream (allocates grads, optimizer state, compiled kernels), then
-            # restore weights and optimizer state so the warm-up steps leave no trace in training.
-            snapshot = ({k: v.clone() for k, v in self.draft.state_dict().items()},
-                        copy.deepcopy(self.optimizer.state_dict()), self.metrics.state_dict(),
-                        self.step_t.clone(), self.lr.clone(), self.anchor_generator.get_state())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self._step(self._static, reseed=False)
-            torch.cuda.current_stream().wait_stream(side)
-            self.draft.load_state_dict(snapshot[0])
-            self.optimizer.load_state_dict(snapshot[1])
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr
-            self.metrics.load_state_dict(snapshot[2])
-            self.step_t.copy_(snapshot[3])
-            self.lr.copy_(snapshot[4])
+            generator_state = self._warm_up(self._static)
             self._graph = torch.cuda.CUDAGraph()
             self._graph.register_generator_state(self.anchor_generator)
             with torch.cuda.graph(self._graph):
                 self._step(self._static, reseed=False)
             # Replays continue the anchor stream from where it stood before warm-up and capture, so a
             # resumed run (which captures again) draws the same anchors as an uninterrupted one.
-            self.anchor_generator.set_state(snapshot[5])
+            self.anchor_generator.set_state(generator_state)
         for static, mb in zip(self._static, micro, strict=True):
             for k, v in mb.items():
                 static[k].copy_(v, non_blocking=True)
         self._graph.replay()
+
+    def _warm_up(self, static: list[Batch], steps: int = 3) -> torch.Tensor:
+        """Run `steps` real steps on `static` (on a side stream on CUDA) so that gradients, optimizer state
+        and compiled kernels exist before a capture, then put back the weights, the optimizer state, the
+        metrics and the schedule as they were. Returns the anchor generator's state from before.
+
+        The optimizer state is restored IN PLACE (a fresh run's is zeroed: AdamW's initial state).
+        Replacing it by `optimizer.load_state_dict` would leave a fresh run with no state, and the
+        capture would then record its lazy creation: every replay would zero the moments and the step
+        count again (Adam reduced to its first step).
+        """
+        weights = {k: v.clone() for k, v in self.draft.state_dict().items()}
+        before = {p: {k: v.clone() for k, v in s.items()} for p, s in self.optimizer.state.items()}
+        metrics, step_t, lr = self.metrics.state_dict(), self.step_t.clone(), self.lr.clone()
+        generator_state = self.anchor_generator.get_state()
+        side = torch.cuda.Stream() if self.device.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                self._step(static, reseed=False)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            self.draft.load_state_dict(weights)
+            for p, state in self.optimizer.state.items():
+                for k, v in state.items():
+                    if not torch.is_tensor(v):
+                        continue
+                    if p in before:
+                        v.copy_(before[p][k])
+                    else:
+                        v.zero_()
+        self.metrics.load_state_dict(metrics)
+        self.step_t.copy_(step_t)
+        self.lr.copy_(lr)
+        return generator_state
 
     # ---- evaluation (a sync point by design) ------------------------------------------------
 
@@ -702,9 +725,21 @@ class DFlashTrainer:
             draft = self.draft
         report = speculative_report(self.target.model, self.tokenizer, draft, conversations,
                                     num_prompts=num_prompts or self.config.spec_eval_prompts,
-                                    max_new_tokens=self.config.spec_eval_max_new_tokens)
+                                    max_new_tokens=self.config.spec_eval_max_new_tokens, return_texts=True)
+        texts = report.pop("texts")
+        if self.world_size == 1:  # evaluate() takes every rank; these texts exist on rank 0 only
+            # The held-out chain estimate on exactly these prompts and outputs: what separates it from the
+            # real tau is then numerics alone, and from eval_chain_tau the choice of held-out rows.
+            report["teacher_forced_chain_tau"] = self._chain_tau_on(texts)
         log.info("speculative eval: %s", format_report(report))
         return report
+
+    def _chain_tau_on(self, texts: list[tuple[list[int], list[int]]]) -> float:
+        """`evaluate`'s chain tau over rows `prompt + output`, supervising the output."""
+        import datasets
+
+        rows = {"input_ids": [p + o for p, o in texts], "loss_mask": [[0] * len(p) + [1] * len(o) for p, o in texts]}
+        return self.evaluate(datasets.Dataset.from_dict(rows))["chain_tau"]
 
     def _record(self, reporter: Any, metrics: dict[str, Any]) -> None:
         self.history.append({"step": self.step, **metrics})

@@ -4,6 +4,9 @@
    schedule) fed by the real data path (DataLoader workers -> pinned batches -> DevicePrefetcher) runs
    `--steps` consecutive non-log steps inside `forbid_syncs(device="cuda")`, which turns on
    `torch.cuda.set_sync_debug_mode("error")` and the dispatch-level detector. Any sync raises.
+   On a GPU this runs twice: the default step (compiled flex attention) under the CUDA sync debug
+   mode alone, since torch.compile does not run under a user dispatch mode, then the same step with
+   SDPA attention (nothing compiled) under both detectors.
 2. A trainer with `cuda_graph: true` captures one whole step and replays it `--graph-steps` times; its
    per-step losses must match an eager trainer's from the same weights on the same batch (a batch
    whose rows have fewer valid anchors than N, so both draw the same anchors) within bf16 tolerance.
@@ -73,21 +76,39 @@ def rows(n: int, seq: int, vocab: int, prompt: int, seed: int = 0) -> list[dict[
     return out
 
 
+def detector_passes(cuda: bool) -> list[tuple[str, bool]]:
+    """(attention, aten_checks) of each pass of part 1. On a GPU the default step (compiled flex attention)
+    runs under the CUDA sync debug mode alone (torch.compile will not run under the dispatch detector),
+    then the same step with SDPA (nothing compiled) under both detectors."""
+    return [("flex", False), ("sdpa", True)] if cuda else [("auto", True)]
+
+
+def detector_name(attention: str, aten_checks: bool, cuda: bool) -> str:
+    parts = (["cuda debug mode"] if cuda else []) + (["dispatch detector"] if aten_checks else [])
+    return f"{attention}: {' + '.join(parts)}"
+
+
 def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = None, distributed: str = "ddp",
-                    rank: int = 0, world: int = 1) -> tuple[int, int]:
+                    rank: int = 0, world: int = 1, attention: str = "auto", aten_checks: bool = True) -> tuple[int, int]:
     """Run `steps` non-log steps from the real loader inside forbid_syncs; return (steps done, syncs).
 
     One process: the first sync raises. Several: each sync is counted (so every rank reaches the
     end and its collectives) and reported on stderr with the rank.
     """
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
-    trainer = DFlashTrainer(config(cuda, device, distributed=distributed), target=tiny_llama(cuda), tokenizer=None)
+    cfg = config(cuda, device, distributed=distributed)
+    cfg.draft.attention = attention
+    trainer = DFlashTrainer(cfg, target=tiny_llama(cuda), tokenizer=None)
     seq, vocab = (512, 49_152) if cuda else (64, 256)
     data = rows(64 * world, seq, vocab, prompt=seq // 4)
     loader = make_dataloader(data, trainer.config.batch_size * 2, Collator(0, 64, seq), num_workers=2, rank=rank,
                              world_size=world)
     batches = iter(DevicePrefetcher(loader, device))
-    trainer.train_step(next(batches))  # first step outside: lazy allocations, kernel autotuning, caches
+    # Two steps outside the region: lazy allocations, kernel autotuning, caches; and DDP's one-time
+    # gradient-bucket rebuild, which exchanges bucket indices through the host (pageable copies both
+    # ways) in the first forward after the first synchronized backward, i.e. in step 2.
+    for _ in range(2):
+        trainer.train_step(next(batches))
     done = 0
     collect = world > 1
     # On a GPU forbid_syncs turns on the CUDA sync debug mode ("error"; "warn" when counting) and the
@@ -96,7 +117,8 @@ def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = Non
         caught = stack.enter_context(warnings.catch_warnings(record=True)) if collect else []
         if collect:
             warnings.simplefilter("always")
-        report = stack.enter_context(forbid_syncs(device=device if cuda else None, raise_on_first=not collect))
+        report = stack.enter_context(forbid_syncs(device=device if cuda else None, raise_on_first=not collect,
+                                                  aten_checks=aten_checks))
         for _ in range(steps):
             try:
                 batch = next(batches)
@@ -138,28 +160,34 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--graph-steps", type=int, default=20)
-    p.add_argument("--tolerance", type=float, default=2e-2, help="max relative loss difference graph vs eager")
+    p.add_argument("--tolerance", type=float, default=5e-3, help="max relative loss difference graph vs eager")
     p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
                    help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     rank, world = init_distributed()  # (0, 1) in a single process
+    passes = detector_passes(cuda)
     if world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-        done, syncs = sync_free_steps(cuda, args.steps, device=device, distributed=args.distributed, rank=rank,
-                                      world=world)
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, syncs)
+        per_rank, names = [0] * world, []
+        for attention, aten_checks in passes:
+            done, syncs = sync_free_steps(cuda, args.steps, device=device, distributed=args.distributed, rank=rank,
+                                          world=world, attention=attention, aten_checks=aten_checks)
+            counts = [None] * world
+            dist.all_gather_object(counts, syncs)
+            per_rank = [a + b for a, b in zip(per_rank, counts, strict=True)]
+            names.append(detector_name(attention, aten_checks, cuda))
         dist.destroy_process_group()
         if rank != 0:
             return 0 if sum(per_rank) == 0 else 1
-        detector = f"{'cuda debug mode + ' if cuda else ''}dispatch detector"
-        print(f"check_sync_free: {sum(per_rank)} syncs in {done} non-log steps on each of {world} ranks "
-              f"({args.distributed}; per rank {per_rank}; {detector}); CUDA graph: skipped (several processes)"
+        print(f"check_sync_free: {sum(per_rank)} syncs in {done} non-log steps per pass on each of {world} ranks "
+              f"({args.distributed}; per rank {per_rank}; {'; '.join(names)}); CUDA graph: skipped (several processes)"
               + (": PASS" if sum(per_rank) == 0 else ": FAIL"))
         return 0 if sum(per_rank) == 0 else 1
-    done, _ = sync_free_steps(cuda, args.steps)
-    summary = f"check_sync_free: 0 syncs in {done} non-log steps ({'cuda debug mode + ' if cuda else ''}dispatch detector)"
+    for attention, aten_checks in passes:  # the first sync raises
+        done, _ = sync_free_steps(cuda, args.steps, attention=attention, aten_checks=aten_checks)
+    names = "; ".join(detector_name(a, c, cuda) for a, c in passes)
+    summary = f"check_sync_free: 0 syncs in {done} non-log steps per pass ({names})"
     ok = True
     if cuda:
         worst, eager, graph = graph_vs_eager(args.graph_steps)

@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import TrainConfig  # noqa: E402
@@ -55,7 +53,6 @@ def main() -> int:
     rows = []
     for name in names:
         cfg = TrainConfig.from_sources(None, [*common, *VARIANTS[name], f"output_dir={args.out}/{name}"])
-        torch.manual_seed(cfg.seed)  # the same draft initialisation for every DFlash variant
         start = time.perf_counter()
         summary = DFlashTrainer(cfg, target=model, tokenizer=tokenizer).fit()
         held, spec = summary.get("held_out", {}), summary.get("speculative", {})

@@ -91,10 +91,10 @@ def main_fsdp2(out: Path) -> None:
     import dflash.objective as objective
     from dflash.syncs import forbid_syncs
 
-    target = make_tiny_target()  # seeds torch itself: the draft's seed comes after it
+    target = make_tiny_target()
     # Each rank builds different initial weights (different seeds): rank 0's must win, as under DDP.
-    torch.manual_seed(FSDP2_DRAFT_SEED + int(os.environ["RANK"]))
-    trainer = DFlashTrainer(tiny_config(**FSDP2_CONFIG), target=target)
+    trainer = DFlashTrainer(tiny_config(**FSDP2_CONFIG, seed=FSDP2_DRAFT_SEED + int(os.environ["RANK"])),
+                            target=target)
     rank, world = trainer.rank, trainer.world_size
     assert world == 2 and trainer.fsdp, (world, trainer.fsdp)
     params = dict(trainer.draft.named_parameters())

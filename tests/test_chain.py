@@ -52,3 +52,16 @@ def test_held_out_chain_tau_equals_real_tau_on_the_targets_greedy_text(new_token
     assert real["tau"] > 1.1  # the draft accepts: a chain of all-ones would prove nothing
     assert held_out["chain_tau"] == pytest.approx(real["tau"], rel=1e-9)
     assert held_out["chain_forwards"] == real["target_forwards"]
+
+
+def test_chain_tau_on_the_speculative_outputs_equals_their_real_tau():
+    """The end-of-run report's `teacher_forced_chain_tau`: the chain over the very prompts and outputs of
+    the speculative evaluation. In exact arithmetic it equals the real tau, whatever the prompts."""
+    target = make_tiny_target()
+    trainer = train_on_continuations(target)
+    ids, _ = continuation_batch(target)
+    real = sp.evaluate_speculative(target, trainer.draft.eval(), ids[:, :6].tolist(), max_new_tokens=26,
+                                   warmup=False, return_texts=True)
+    assert [p for p, _ in real["texts"]] == ids[:, :6].tolist() and real["tau"] > 1.1
+    assert sum(len(o) for _, o in real["texts"]) == real["new_tokens"]
+    assert trainer._chain_tau_on(real["texts"]) == pytest.approx(real["tau"], rel=1e-9)

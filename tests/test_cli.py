@@ -82,6 +82,7 @@ def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, con
     assert (out / "config.yaml").exists()
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
     assert summary["speculative"]["lossless"] and summary["speculative"]["num_prompts"] == 3
+    assert summary["speculative"]["teacher_forced_chain_tau"] >= 1.0 and "texts" not in summary["speculative"]
 
     # resume: continues from step 4 to 6, the log continues, no step is repeated
     assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=6", "resume_from=latest")) == 0

@@ -98,8 +98,8 @@ def test_fsdp2_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, m
     batch, anchors, keep = fixed_plan()
     monkeypatch.setattr("dflash.objective.sample_anchors", fixed_anchors(anchors, keep, range(4)))
     target = make_tiny_target()
-    torch.manual_seed(FSDP2_DRAFT_SEED)  # rank 0's draft seed (rank 1 built different weights)
-    one = DFlashTrainer(tiny_config(**FSDP2_CONFIG), target=target)  # one process: nothing to shard
+    # Rank 0's draft seed (rank 1 built different weights); one process: nothing to shard.
+    one = DFlashTrainer(tiny_config(**FSDP2_CONFIG, seed=FSDP2_DRAFT_SEED), target=target)
     assert not one.fsdp
     for name, p in one.draft.state_dict().items():
         assert torch.equal(two["init"][name], p), f"{name}: the sharded run did not start from rank 0's weights"

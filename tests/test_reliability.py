@@ -182,3 +182,52 @@ def test_warm_start_from_an_exported_draft(tmp_path):
     warm = DFlashTrainer(tiny_config(init_from=str(tmp_path / "exported")), target=make_tiny_target())
     bf16 = source.draft.fc.weight.to(torch.bfloat16).float()
     assert torch.equal(warm.draft.fc.weight, bf16) and warm.step == 0
+
+
+def test_graph_warm_up_leaves_the_optimizer_state_allocated_and_as_it_was():
+    """Before a CUDA-graph capture, warm-up steps allocate gradients and AdamW's state and are then undone
+    in place. The capture must find the state already there (otherwise it records its lazy creation and
+    every replay zeroes the moments and the step count again) and equal to what it was: zero in a fresh
+    run, the loaded values in a resumed one. The lr tensor the schedule updates must still be the group's."""
+    trainer = fresh_trainer(tiny_config())
+    batch = [random_batch()]
+    weights = {k: v.clone() for k, v in trainer.draft.state_dict().items()}
+    trainer._warm_up(batch)
+    params = [p for p in trainer.draft.parameters() if p.requires_grad]
+    for p in params:
+        state = trainer.optimizer.state[p]
+        assert state and all(torch.count_nonzero(v) == 0 for v in state.values() if torch.is_tensor(v))
+    for k, v in trainer.draft.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    assert float(trainer.step_t) == 0 and trainer.optimizer.param_groups[0]["lr"] is trainer.lr
+
+    # The first real step after warm-up equals a fresh trainer's first step: warm-up left no trace.
+    reference = fresh_trainer(tiny_config())
+    for t in (trainer, reference):
+        t._step(batch, reseed=True)
+    for (name, p), q in zip(trainer.draft.named_parameters(), reference.draft.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+    # Resumed case: non-zero state is put back exactly, in the same tensors.
+    saved = {p: {k: (v, v.clone()) for k, v in trainer.optimizer.state[p].items()} for p in params}
+    trainer._warm_up(batch)
+    for p in params:
+        for k, (tensor, value) in saved[p].items():
+            assert trainer.optimizer.state[p][k] is tensor and torch.equal(tensor, value), k
+
+
+def test_seed_fixes_the_draft_initialisation_and_leaves_the_callers_rng_alone():
+    """`seed` alone decides the draft's initial weights (two launches of one config start alike; ranks
+    build the same draft), and building the trainer draws nothing from the caller's RNG stream."""
+    target = make_tiny_target()
+
+    def initial(seed: int, callers_seed: int):
+        torch.manual_seed(callers_seed)  # whatever the caller's stream is, it must not matter
+        before = torch.get_rng_state()
+        trainer = DFlashTrainer(tiny_config(seed=seed), target=target)
+        assert torch.equal(torch.get_rng_state(), before)
+        return trainer.draft.state_dict()
+
+    a, b, c = initial(0, callers_seed=5), initial(0, callers_seed=6), initial(1, callers_seed=5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point() and a[k].numel() > 1)

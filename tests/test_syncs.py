@@ -277,3 +277,18 @@ def test_nesting_order_with_fake_cuda_does_not_matter() -> None:
     with forbid_syncs(raise_on_first=False) as report, fake_cuda_mode():
         torch.ones(3).to(FAKE_CUDA)
     assert [f.reason for f in report.findings] == [syncs._H2D_PAGEABLE]
+
+
+def test_cuda_debug_mode_alone_for_compiled_regions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aten_checks=False` (regions that call torch.compile'd code) keeps the CUDA sync debug mode and drops
+    the dispatch detector; without CUDA that would check nothing, so it is refused."""
+    with pytest.raises(ValueError, match="nothing would be checked"):
+        with forbid_syncs(aten_checks=False):
+            pass
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", calls.append)
+    with forbid_syncs(aten_checks=False) as report:
+        X.sum().item()  # the dispatch detector is off: only a real CUDA sync would raise here
+    assert calls == ["error", 0] and report.findings == []
