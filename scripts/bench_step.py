@@ -25,6 +25,7 @@ the total tokens/s over ranks) and the one summary line.
     python scripts/bench_step.py --config specforge
     python scripts/bench_step.py --config specforge --seq 3072 --anchors 512
     python scripts/bench_step.py --config smollm2 --latency
+    python scripts/bench_step.py --config specforge --compile --profile   # where memory and time go
     torchrun --nproc_per_node 2 scripts/bench_step.py --config specforge --distributed fsdp2
 """
 
@@ -213,6 +214,78 @@ def mask_density(trainer: DFlashTrainer, batch: dict, device: torch.device) -> f
     return m.float().mean().item()
 
 
+# Kernel / op name fragments per category, matched in this order (lower case).
+CATEGORIES = (("communication", ("nccl", "all_reduce", "allreduce", "reduce_scatter", "all_gather")),
+              ("attention", ("flex", "attention", "fmha", "flash")),
+              ("optimizer", ("adam", "multi_tensor", "foreach")),
+              ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "cublas", "aten::mm", "aten::addmm",
+                          "aten::bmm", "aten::matmul")))
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard counts what this rank holds
+    return local.numel() * local.element_size()
+
+
+def memory_breakdown(trainer: DFlashTrainer, peak_bytes: float) -> dict[str, float]:
+    """GiB of the step's peak held by weights (draft and target), gradients, AdamW state, and the rest
+    (activations, autotuning workspace, allocator slack) = peak minus those."""
+    weights = sum(_nbytes(t) for t in {id(t): t for t in [*trainer.objective.parameters(),
+                                                            *trainer.objective.buffers()]}.values())
+    grads = sum(_nbytes(p) for p in trainer.draft.parameters() if p.requires_grad)  # alive at the peak
+    optimizer = sum(_nbytes(v) for state in trainer.optimizer.state.values() for v in state.values()
+                    if torch.is_tensor(v))
+    gib = {"weights": weights, "gradients": grads, "optimizer_state": optimizer}
+    gib["activations_and_workspace"] = peak_bytes - sum(gib.values())
+    return {k: v / 2**30 for k, v in gib.items()}
+
+
+def kernel_breakdown(trainer: DFlashTrainer, batch: dict, device: torch.device, steps: int = 3,
+                     top: int = 10) -> dict[str, object]:
+    """Where a step's time goes, from torch.profiler over `steps` steps: GPU kernel time (CPU op self time
+    on a CPU) per category and the `top` kernels, in ms per step; and the share of wall time the GPU is
+    busy. Profiling slows the host, so these are shares, not timings to quote."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        wall = time_steps(trainer, batch, device, steps)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / steps)
+            for e in prof.key_averages() if e.device_type == kind]
+    rows = [(k, ms) for k, ms in rows if ms > 0 and not k.startswith("ProfilerStep")]
+    busy = sum(ms for _, ms in rows)
+    shares: dict[str, float] = {}
+    for key, ms in rows:
+        shares[category(key)] = shares.get(category(key), 0.0) + ms
+    top_rows = sorted(rows, key=lambda r: -r[1])[:top]
+    return {"busy_ms_per_step": busy, "wall_ms_per_step_profiled": wall,
+            "ms_per_step_by_category": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": k[:120], "ms_per_step": ms, "category": category(k)} for k, ms in top_rows]}
+
+
+def print_profile(profile: dict) -> None:
+    mem = profile["memory_gib"]
+    print("memory at peak (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))
+    k = profile["kernels"]
+    print(f"device busy {k['busy_ms_per_step']:.1f} ms of {k['wall_ms_per_step_profiled']:.1f} ms per profiled step; "
+          + ", ".join(f"{c} {ms:.1f} ms" for c, ms in k["ms_per_step_by_category"].items()))
+    for row in k["top"]:
+        print(f"  {row['ms_per_step']:8.2f} ms  {row['category']:<13} {row['name']}")
+
+
+def progress(message: str, start: float) -> None:
+    """Phase marks on stderr, so a run stopped by a time limit shows how far it got."""
+    print(f"[bench_step {time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(SHAPES), default="specforge")
@@ -231,7 +304,10 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
                    help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where the peak memory and the step's kernel time go (after the timing)")
     args = p.parse_args()
+    t0 = time.perf_counter()
 
     rank, world = init_distributed()  # (0, 1) in a single process
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -246,13 +322,17 @@ def main() -> int:
     trainer = build(args.config, s, args, device)
     batch = random_batch(s, device, rank)  # each rank its own rows
     density = mask_density(trainer, batch, device)
+    progress("built", t0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     time_steps(trainer, batch, device, args.warmup)
+    progress(f"{args.warmup} warm-up steps done (compilation included)", t0)
     if world > 1:
         dist.barrier()  # every rank starts the measured steps together
     ms = time_steps(trainer, batch, device, args.steps)
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    progress(f"{args.steps} timed steps done", t0)
+    peak_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else float("nan")
+    peak_mem = peak_bytes / 2**30
     peak = matmul_peak(device)
     f = flops(s, density)
     result = {
@@ -274,6 +354,10 @@ def main() -> int:
         result.update({"latency_ms": latency, **{f"ms_{k}": v for k, v in runs.items()},
                        "latency_slowdown_sync_free": runs["free_lat"] / runs["free_0"],
                        "latency_slowdown_forced_sync": runs["sync_lat"] / runs["sync_0"]})
+    if args.profile:
+        result["profile"] = {"memory_gib": memory_breakdown(trainer, peak_bytes),
+                             "kernels": kernel_breakdown(trainer, batch, device)}
+        progress("profiled", t0)
     if world > 1:  # per-rank figures (each rank steps on its own batch) and the total over ranks
         per_rank = [None] * world
         dist.all_gather_object(per_rank, {"ms_per_step": ms, "tokens_per_s": result["tokens_per_s"],
@@ -290,6 +374,8 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    if args.profile:
+        print_profile(result["profile"])
     line = (f"bench {args.config} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
             f"{result['tflops_specforge']:.0f} TFLOP/s (specforge count, MFU {result['mfu_specforge']:.1%}), "
             f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB")

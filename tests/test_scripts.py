@@ -20,10 +20,18 @@ def run(*args: str) -> str:
 
 def test_bench_step_tiny(tmp_path):
     stdout = run("scripts/bench_step.py", "--config", "tiny", "--steps", "2", "--warmup", "1", "--latency",
-                 "--data-latency-ms", "2", "--json", str(tmp_path / "b.json"))
+                 "--data-latency-ms", "2", "--profile", "--json", str(tmp_path / "b.json"))
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["ms_per_step"] > 0 and 0 < result["mask_density"] < 1
     assert {"ms_free_0", "ms_free_lat", "ms_sync_0", "ms_sync_lat"} <= result.keys()
+    kernels = result["profile"]["kernels"]  # on a CPU: op self times
+    assert kernels["ms_per_step_by_category"]["matmul"] > 0 and kernels["ms_per_step_by_category"]["optimizer"] > 0
+    assert sum(kernels["ms_per_step_by_category"].values()) == pytest.approx(kernels["busy_ms_per_step"])
+    assert kernels["top"][0]["ms_per_step"] >= kernels["top"][-1]["ms_per_step"] > 0
+    memory = result["profile"]["memory_gib"]
+    assert set(memory) == {"weights", "gradients", "optimizer_state", "activations_and_workspace"}
+    assert memory["weights"] > memory["gradients"] > 0  # the weights include the frozen target's
+    assert memory["optimizer_state"] == pytest.approx(2 * memory["gradients"], rel=0.01)  # AdamW: two moments
     assert stdout.strip().splitlines()[-1].startswith("bench tiny")
 
 
