@@ -60,6 +60,20 @@ def block_targets(
     return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=valid.float() * decay, valid=valid)
 
 
+def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """(weighted CE sum `[]`, log-sum-exp `[..]`, argmax == label `[..]`) of fp32 `logits` `[.., V]`."""
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (weights * (lse - target)).sum(), lse, logits.argmax(dim=-1) == labels
+
+
+def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """d(sum scale * CE)/d logits = scale * (softmax - onehot), written over `logits` (consumed)."""
+    probs = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax in place: the logits are not needed again
+    probs.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
+    return probs.mul_(scale.unsqueeze(-1))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_t w_t * CE(hidden_t @ W^T, y_t), chunked over tokens so `[T, V]` logits never exist at once.
 
@@ -78,15 +92,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_size, hidden.shape[0])
             logits = (hidden[start:end].to(weight.dtype) @ weight.t()).float()  # [c, V]
             y, w = labels[start:end], token_weights[start:end]
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, y.unsqueeze(1)).squeeze(1)
-            total = total + (w * (lse - target_logit)).sum()
-            correct[start:end] = logits.argmax(dim=-1) == y
+            part, lse, correct[start:end] = _ce_stats(logits, y, w)
+            total = total + part
             if needs_grad:
-                probs = torch.softmax(logits, dim=-1)  # reuse: d/dlogits = w * (p - onehot)
-                probs.scatter_add_(1, y.unsqueeze(1), -torch.ones_like(target_logit).unsqueeze(1))
-                probs.mul_(w.unsqueeze(1))
-                grad_hidden[start:end] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                # The softmax is written over the logits' own buffer: every forward activation is alive
+                # here, so a second fp32 [c, V] tensor would raise the step's memory peak.
+                grad_hidden[start:end] = (_ce_grad_(logits, lse, y, w).to(weight.dtype) @ weight).to(hidden.dtype)
         if needs_grad:
             ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -136,20 +147,6 @@ class DominoCrossEntropy:
     base_sum: torch.Tensor  # [] fp32, weighted CE of the base logits (detached)
     final_correct: torch.Tensor  # [M, P] bool, argmax of the corrected logits == label
     base_correct: torch.Tensor  # [M, P] bool, argmax of the base logits == label
-
-
-def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-    """(weighted CE sum `[]`, log-sum-exp `[..]`, argmax == label `[..]`) of fp32 `logits` `[.., V]`."""
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return (weights * (lse - target)).sum(), lse, logits.argmax(dim=-1) == labels
-
-
-def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """d(sum scale * CE)/d logits = scale * (softmax - onehot), written over `logits` (consumed)."""
-    probs = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax in place: the logits are not needed again
-    probs.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
-    return probs.mul_(scale.unsqueeze(-1))
 
 
 class _DominoLinearCrossEntropy(torch.autograd.Function):

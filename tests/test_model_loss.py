@@ -275,3 +275,28 @@ def test_hidden_size_mismatch_is_refused():
     cfg = DFlashDraftConfig.for_target(draft_target.config, mask_token_id=TINY_MASK_ID)
     with pytest.raises(ValueError, match="hidden_size"):
         DFlashTrainer(tiny_config(), target=make_tiny_target(), draft=DFlashDraftModel(cfg))
+
+
+def test_chunked_ce_allocates_one_vocabulary_sized_tensor_per_chunk():
+    """Every forward activation is alive during this loss: per chunk, the logits are the only new
+    `[chunk, V]` tensor; the softmax for the gradient reuses their buffer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    chunk, vocab = 8, 50
+
+    class NewVocabTensors(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (chunk, vocab) and not func._schema.name.endswith("_"):
+                self.ops.append(str(func))
+            return out
+
+    hidden = torch.randn(2 * chunk, 4, requires_grad=True)
+    with NewVocabTensors() as seen:
+        linear_cross_entropy(hidden, torch.randn(vocab, 4), torch.zeros(2 * chunk, dtype=torch.long),
+                             torch.ones(2 * chunk), chunk_size=chunk)
+    assert seen.ops == ["aten.mm.default"] * 2, seen.ops
