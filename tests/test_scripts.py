@@ -68,6 +68,19 @@ def test_check_sync_free_cpu():
     assert stdout.strip().splitlines()[-1].endswith("PASS")
 
 
+def test_check_sync_free_two_processes():
+    """Under `accelerate launch --num_processes 2` (CPU, gloo) every rank counts its syncs and rank 0 alone
+    prints the total."""
+    from test_distributed import LAUNCH
+
+    out = subprocess.run([*LAUNCH, "scripts/check_sync_free.py", "--steps", "3", "--distributed", "ddp"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summaries = [line for line in out.stdout.splitlines() if line.startswith("check_sync_free")]
+    assert len(summaries) == 1 and "0 syncs" in summaries[0] and "each of 2 ranks" in summaries[0]
+    assert summaries[0].endswith("PASS")
+
+
 def test_compare_recipes_tiny(tmp_path):
     """Two variants share one loaded target; each trains, evaluates (uniform and chain τ̂) and decodes."""
     from conftest import save_tiny_target
