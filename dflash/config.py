@@ -95,7 +95,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     param_dtype: str = "float32"  # draft weights and AdamW state: float32 (master weights) | bfloat16
-    compile: bool = False  # torch.compile the draft (flex attention is always compiled on GPU)
+    compile: bool = False  # torch.compile the draft and the CE chunks (flex attention is always compiled on GPU)
     cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
     distributed: str = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)
     output_dir: str = "runs/dflash"

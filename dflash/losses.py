@@ -11,6 +11,7 @@ the caller passes the denominator as a device tensor. Nothing here reads a devic
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,26 @@ def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, sca
     return probs.mul_(scale.unsqueeze(-1))
 
 
+def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool):
+    """One chunk of the weighted CE on `[c, V]` logits of any float dtype, with the math in fp32:
+    (loss sum `[]`, correct `[c]`, d loss / d logits `[c, V]` in the logits' dtype, or None).
+
+    Eagerly the fp32 copy is the only extra `[c, V]` buffer (the gradient's softmax is written over it,
+    `_ce_grad_`). Compiled (`_compiled_ce_chunk`), the cast, log-sum-exp, argmax and gradient fuse
+    into a few passes over the bf16 logits and no fp32 `[c, V]` tensor is stored at all.
+    """
+    x = logits.float()
+    loss, lse, correct = _ce_stats(x, labels, weights)
+    if not need_grad:
+        return loss, correct, None
+    return loss, correct, _ce_grad_(x, lse, labels, weights).to(logits.dtype)
+
+
+@functools.cache
+def _compiled_ce_chunk():
+    return torch.compile(_ce_chunk, dynamic=False)  # built on first use: importing dynamo costs ~1 s
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_t w_t * CE(hidden_t @ W^T, y_t), chunked over tokens so `[T, V]` logits never exist at once.
 
@@ -83,21 +104,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk_size):  # noqa: D401
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, compiled):  # noqa: D401
         needs_grad = hidden.requires_grad
+        chunk = _compiled_ce_chunk() if compiled else _ce_chunk
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = (hidden[start:end].to(weight.dtype) @ weight.t()).float()  # [c, V]
-            y, w = labels[start:end], token_weights[start:end]
-            part, lse, correct[start:end] = _ce_stats(logits, y, w)
+            logits = hidden[start:end].to(weight.dtype) @ weight.t()  # [c, V] in the head's dtype
+            part, correct[start:end], grad_logits = chunk(logits, labels[start:end], token_weights[start:end],
+                                                          needs_grad)
             total = total + part
             if needs_grad:
-                # The softmax is written over the logits' own buffer: every forward activation is alive
-                # here, so a second fp32 [c, V] tensor would raise the step's memory peak.
-                grad_hidden[start:end] = (_ce_grad_(logits, lse, y, w).to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[start:end] = (grad_logits @ weight).to(hidden.dtype)
         if needs_grad:
             ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -106,7 +126,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -115,16 +135,18 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     token_weights: torch.Tensor,
     chunk_size: int = 4096,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted CE sum through a frozen LM head, and per-token argmax correctness.
 
     Args:
         hidden: `[T, H]` draft states; weight: `[V, H]` frozen head; labels: `[T]` long;
-        token_weights: `[T]` float (0 drops a token); chunk_size: tokens per vocabulary pass.
+        token_weights: `[T]` float (0 drops a token); chunk_size: tokens per vocabulary pass;
+        compiled: run each chunk's CE through torch.compile (`compile: true`; see `_ce_chunk`).
     Returns:
         (loss_sum `[]` fp32, differentiable w.r.t. hidden; correct `[T]` bool, detached).
     """
-    return _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size)
+    return _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size, compiled)
 
 
 def accepted_prefix_length(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

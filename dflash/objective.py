@@ -101,6 +101,7 @@ class DFlashObjective(nn.Module):
         self.gamma = gamma or default_decay_gamma(self.block_size)
         self.ce_chunk_size = ce_chunk_size
         self.labels = labels
+        self.compile_loss = False  # torch.compile each CE chunk (the trainer sets it under `compile: true`)
         # Kept out of the module tree (no duplicate state_dict keys); use_draft_call() swaps it.
         object.__setattr__(self, "_draft_call", draft)
 
@@ -170,6 +171,7 @@ class DFlashObjective(nn.Module):
             labels[..., 1:].reshape(-1),
             targets.weights[..., 1:].reshape(-1),
             self.ce_chunk_size,
+            compiled=self.compile_loss,
         )
         correct = correct.view(*scored.shape[:3])
         return BlockOutput(loss_sum=loss_sum, ce_sum=loss_sum.detach(), correct=correct)

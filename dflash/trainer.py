@@ -182,6 +182,7 @@ class DFlashTrainer:
                                                       if self.device.type == "cuda" else None)
         if config.compile:
             call = torch.compile(call, dynamic=False)
+            self.objective.compile_loss = True
         self.objective.use_draft_call(call)
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph: true needs a CUDA device")

@@ -231,3 +231,19 @@ def test_seed_fixes_the_draft_initialisation_and_leaves_the_callers_rng_alone():
     a, b, c = initial(0, callers_seed=5), initial(0, callers_seed=6), initial(1, callers_seed=5)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point() and a[k].numel() > 1)
+
+
+def test_compile_true_trains_like_eager():
+    """`compile: true` compiles the draft and the CE chunks; one step gives the eager step's loss and
+    weights (same seed, same batch, anchors from the same (seed, rank, step))."""
+    batch = random_batch()
+    runs = []
+    for compile_ in (False, True):
+        trainer = DFlashTrainer(tiny_config(compile=compile_), target=make_tiny_target())
+        assert trainer.objective.compile_loss is compile_
+        trainer.train_step(batch)
+        runs.append((trainer.metrics.flush()["loss"], trainer.draft.state_dict()))
+    (loss0, w0), (loss1, w1) = runs
+    assert loss1 == pytest.approx(loss0, rel=1e-5)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], rtol=1e-4, atol=1e-5, msg=k)
