@@ -17,6 +17,7 @@ decoding instead caches `context_kv(...)` and passes the projected keys/values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -157,17 +158,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-_FLEX = None
-
-
+@functools.cache
 def _flex_attention():
     """flex_attention compiled once: eager flex materializes the whole score matrix (slow, large)."""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class ContextFeatures(NamedTuple):
