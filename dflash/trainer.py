@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import logging
 import math
@@ -57,6 +58,15 @@ def init_distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group, after a garbage collection. Trainers left in reference cycles hold
+    DDP reducers on the group; destroyed at interpreter exit, after the group, they abort the process
+    ("terminate called without an active exception"). Drop your references to trainers first."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel  # noqa: E402
 from dflash.objective import DFlashObjective  # noqa: E402
-from dflash.trainer import DFlashTrainer, init_distributed  # noqa: E402
+from dflash.trainer import DFlashTrainer, init_distributed, shutdown_distributed  # noqa: E402
 
 
 @dataclass
@@ -367,7 +367,8 @@ def main() -> int:
                        "tokens_per_s_per_rank": [r["tokens_per_s"] for r in per_rank],
                        "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
                        "tokens_per_s_total": sum(r["tokens_per_s"] for r in per_rank)})
-        dist.destroy_process_group()
+        del trainer  # its DDP reducer must go before the process group (shutdown_distributed)
+        shutdown_distributed()
         if rank != 0:
             return 0
     if args.json:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
 from dflash.data import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
 from dflash.syncs import forbid_syncs  # noqa: E402
-from dflash.trainer import DFlashTrainer, init_distributed  # noqa: E402
+from dflash.trainer import DFlashTrainer, init_distributed, shutdown_distributed  # noqa: E402
 
 
 def tiny_llama(cuda: bool):
@@ -177,7 +177,7 @@ def main() -> int:
             dist.all_gather_object(counts, syncs)
             per_rank = [a + b for a, b in zip(per_rank, counts, strict=True)]
             names.append(detector_name(attention, aten_checks, cuda))
-        dist.destroy_process_group()
+        shutdown_distributed()  # the passes' trainers are gone: free them before the group
         if rank != 0:
             return 0 if sum(per_rank) == 0 else 1
         print(f"check_sync_free: {sum(per_rank)} syncs in {done} non-log steps per pass on each of {world} ranks "
