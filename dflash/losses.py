@@ -70,6 +70,12 @@ def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor)
 
 def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """d(sum scale * CE)/d logits = scale * (softmax - onehot), written over `logits` (consumed)."""
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the one-hot as a compare with the vocabulary index, so the whole
+        # expression is one pointwise kernel that writes the caller's dtype. The in-place scatter below
+        # makes inductor store an fp32 [c, V] buffer first (tests/test_model_loss.py checks the code).
+        onehot = torch.arange(logits.shape[-1], device=logits.device) == labels.unsqueeze(-1)
+        return (torch.exp(logits - lse.unsqueeze(-1)) - onehot.float()) * scale.unsqueeze(-1)
     probs = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax in place: the logits are not needed again
     probs.scatter_add_(-1, labels.unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
     return probs.mul_(scale.unsqueeze(-1))
@@ -81,7 +87,8 @@ def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
 
     Eagerly the fp32 copy is the only extra `[c, V]` buffer (the gradient's softmax is written over it,
     `_ce_grad_`). Compiled (`_compiled_ce_chunk`), the cast, log-sum-exp, argmax and gradient fuse
-    into a few passes over the bf16 logits and no fp32 `[c, V]` tensor is stored at all.
+    into two passes over the bf16 logits (a reduction, then one pointwise kernel that writes the
+    gradient in the logits' dtype) and no fp32 `[c, V]` tensor is stored at all.
     """
     x = logits.float()
     loss, lse, correct = _ce_stats(x, labels, weights)

@@ -322,3 +322,25 @@ def test_compiled_ce_equals_eager(dtype):
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
     assert torch.equal(c1, c0)
     torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_ce_chunk_stores_no_fp32_vocabulary_buffer():
+    """The compiled chunk must write d loss / d logits straight into the logits' dtype. Inductor's code
+    for a bf16 chunk allocates exactly one `[c, V]` buffer, the bf16 gradient. A scatter for the one-hot
+    made it store an fp32 `[c, V]` buffer first: 4 extra bytes per logit (1.2 GiB at 2048 x 151,936)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from dflash.losses import _ce_chunk
+
+    c, v = 24, 320
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(c, v, generator=g).bfloat16()
+    labels = torch.randint(0, v, (c,), generator=g)
+    (_, _, grad), codes = run_and_get_code(torch.compile(_ce_chunk, dynamic=False), logits, labels,
+                                           torch.rand(c, generator=g), True)
+    assert grad.dtype == torch.bfloat16 and grad.shape == (c, v)
+    allocations = re.findall(r"empty_strided\w*\(\(([^)]*)\), \([^)]*\), (?:dtype=)?torch\.(\w+)", "\n".join(codes))
+    vocab_sized = [dtype for shape, dtype in allocations if shape.replace(" ", "") in (f"{c},{v}", f"{c},{v},")]
+    assert vocab_sized == ["bfloat16"], allocations
