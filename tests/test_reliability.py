@@ -247,3 +247,33 @@ def test_compile_true_trains_like_eager():
     assert loss1 == pytest.approx(loss0, rel=1e-5)
     for k in w0:
         torch.testing.assert_close(w1[k], w0[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm():
+    """The step passes clipping to fused AdamW as `grad_scale` (no separate pass over the gradients). Three
+    steps with clipping active must equal clip_grad_norm_ followed by the same optimizer, and differ from
+    no clipping (Adam is nearly scale-invariant, so it takes steps whose clip factors differ to tell)."""
+    batches = [random_batch(seed=s) for s in range(3)]
+
+    def run(mode: str) -> dict[str, torch.Tensor]:
+        trainer = DFlashTrainer(tiny_config(optim__max_grad_norm=0.05), target=make_tiny_target())
+        step = trainer.optimizer.step
+
+        def reference_step():  # what the step did before: clip the gradients in place, then update
+            del trainer.optimizer.grad_scale
+            params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+            if mode == "clip_grad_norm_":
+                norm = torch.nn.utils.clip_grad_norm_(params, 0.05, foreach=True)
+                assert norm > 0.05  # clipping is active in every step
+            step()
+
+        if mode != "folded":
+            trainer.optimizer.step = reference_step
+        for batch in batches:
+            trainer.train_step(batch)
+        return {k: v.clone() for k, v in trainer.draft.state_dict().items()}
+
+    folded, clipped, unclipped = run("folded"), run("clip_grad_norm_"), run("none")
+    for k in folded:
+        torch.testing.assert_close(folded[k], clipped[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert max((folded[k] - unclipped[k]).abs().max().item() for k in folded) > 1e-4
