@@ -398,6 +398,10 @@ def acceptance_stats(results: Sequence[SpecResult], block_size: int) -> dict[str
         "acceptance_histogram": histogram[1:],  # index i -> acceptance length i + 1
         "per_position_acceptance": per_position,  # index i -> draft slot i + 1
         "target_forwards": forwards,
+        # Per generation, in prompt order: a subset's τ is Σ tau_i * forwards_i / Σ forwards_i, so runs that
+        # decode different prompt counts still compare on their common prompts.
+        "per_prompt_tau": [r.tau for r in results],
+        "per_prompt_target_forwards": [r.num_target_forwards for r in results],
     }
 
 

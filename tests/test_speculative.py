@@ -297,6 +297,9 @@ def test_evaluate_report_is_consistent(target, trained):
     assert report["tau"] == pytest.approx(emitted / report["target_forwards"])
     rates = report["per_position_acceptance"]
     assert len(rates) == BS - 1 and all(0.0 <= r <= 1.0 for r in rates)
+    taus, forwards = report["per_prompt_tau"], report["per_prompt_target_forwards"]
+    assert len(taus) == len(forwards) == len(prompts) and sum(forwards) == report["target_forwards"]
+    assert sum(t * f for t, f in zip(taus, forwards, strict=True)) / sum(forwards) == pytest.approx(report["tau"])
     assert report["speculative_tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0
     assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_tokens_per_s"])
 
