@@ -76,6 +76,10 @@ class DataSettings:
     regenerate_max_new_tokens: int = 256
     regenerate_batch_size: int = 32
     regenerate_max_prompt_tokens: int = 1024  # longer prompts are skipped (and counted)
+    # User turns answered per training conversation, each reply becoming context for the next (more
+    # target text from the same prompts). Held-out rows keep 1: their first user turns are the
+    # speculative-evaluation prompts, so the held-out chain τ̂ scores what real decoding sees.
+    regenerate_turns: int = 1
     labels: str = "data"  # data: learn the tokens; target: learn the target's greedy next token
     num_workers: int = 2
     cache_dir: str | None = None  # default: $DFLASH_CACHE or ~/.cache/dflash
@@ -155,6 +159,7 @@ class TrainConfig:
             (self.data.labels in ("data", "target"), "data.labels must be 'data' or 'target'"),
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
+            (self.data.regenerate_turns >= 1, "data.regenerate_turns must be >= 1"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
             (self.param_dtype in ("float32", "bfloat16"), "param_dtype must be float32 or bfloat16"),
             (self.distributed in DISTRIBUTED_MODES,

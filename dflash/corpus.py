@@ -64,15 +64,33 @@ def _conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], int]:
     return conversations[: settings.limit] if settings.limit is not None else conversations, len(conversations)
 
 
+def _regenerate_turns(settings: DataSettings, part: str) -> int:
+    """User turns answered per conversation: `data.regenerate_turns` for training, 1 for held-out rows
+    (their first user turns are the speculative-evaluation prompts)."""
+    return settings.regenerate_turns if part == "train" else 1
+
+
 def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
     tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode()).hexdigest()[:10]
     safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
-    return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}-{part}.jsonl"
+    turns = _regenerate_turns(settings, part)
+    suffix = f"-{turns}turns" if turns != 1 else ""  # single-turn files keep their earlier names (caches)
+    return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}{suffix}-{part}.jsonl"
+
+
+def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
+                     target_name: str, part: str) -> Any:
+    """Regenerate one part ("train" or "eval") of the split into its cached file."""
+    from dflash.regenerate import regenerate
+
+    return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
+                      batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
+                      max_prompt_tokens=settings.regenerate_max_prompt_tokens,
+                      turns=_regenerate_turns(settings, part), target_name=target_name)
 
 
 def regenerate_source(config: Any) -> Any:
     """`dflash generate`: regenerate the training split of `config.data` with `config.target` (cached)."""
-    from dflash.regenerate import regenerate
     from dflash.trainer import load_target, resolve_device, resolve_dtype
 
     settings = config.data
@@ -82,9 +100,7 @@ def regenerate_source(config: Any) -> Any:
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
     conversations, _ = _conversations(settings)
     train, _ = split_held_out(conversations, settings.eval_size)
-    return regenerate(train, model, tokenizer, _regenerated_file(settings, root, config.target, "train"),
-                      batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
-                      max_prompt_tokens=settings.regenerate_max_prompt_tokens, target_name=config.target)
+    return _regenerate_part(train, settings, root, model, tokenizer, config.target, "train")
 
 
 def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
@@ -97,13 +113,7 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         if not rows:
             continue
         if settings.regenerate:
-            from dflash.regenerate import regenerate
-
-            result = regenerate(rows, target_model, tokenizer, _regenerated_file(settings, root, target_name, name),
-                                batch_size=settings.regenerate_batch_size,
-                                max_new_tokens=settings.regenerate_max_new_tokens,
-                                max_prompt_tokens=settings.regenerate_max_prompt_tokens, target_name=target_name)
-            paths[name] = result.path
+            paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name).path
         else:
             tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode())
             paths[name] = _write_jsonl(rows, root / "splits" / f"{tag.hexdigest()[:10]}-{name}.jsonl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +220,49 @@ def test_regenerated_path_is_keyed_by_source_target_and_settings(tmp_path, monke
     assert path == regenerated_path("chitchat", "smollm2", max_new_tokens=256, turns=1)
     assert path != regenerated_path("chitchat", "smollm2", turns=2, max_new_tokens=256)
     assert path != regenerated_path("chitchat", "other", turns=1, max_new_tokens=256)
+
+
+def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
+    """`data.regenerate_turns` reaches regenerate() for the training split; held-out rows keep one turn
+    (their first user turns are the speculative-evaluation prompts). Single-turn files keep their names."""
+    from types import SimpleNamespace
+
+    import dflash.corpus as corpus
+    import dflash.regenerate as regen_module
+    from dflash.config import DataSettings
+
+    calls = {}
+
+    def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
+        calls[Path(out_path).name] = kwargs["turns"]
+        return SimpleNamespace(path=Path(out_path))
+
+    def stop(*args, **kwargs):  # the plumbing up to here is what this test reads
+        raise RuntimeError("stop before tokenizing")
+
+    source = tmp_path / "convs.jsonl"
+    chats = [{"id": str(i), "messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": "A"},
+                                         {"role": "user", "content": "more?"}, {"role": "assistant", "content": "B"}]}
+             for i in range(4)]
+    source.write_text("\n".join(json.dumps(c) for c in chats))
+    settings = DataSettings(source=str(source), eval_size=1, regenerate_turns=3, cache_dir=str(tmp_path))
+    monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
+    monkeypatch.setattr(corpus, "build_dataset", stop)
+    with pytest.raises(RuntimeError, match="stop before tokenizing"):
+        corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
+    train_name = corpus._regenerated_file(settings, tmp_path, "t", "train").name
+    eval_name = corpus._regenerated_file(settings, tmp_path, "t", "eval").name
+    assert calls == {train_name: 3, eval_name: 1}
+    assert train_name.endswith("-256-3turns-train.jsonl")
+    assert eval_name.endswith("-256-eval.jsonl")  # one turn: the name every earlier cache used
+    settings.regenerate_turns = 1
+    assert corpus._regenerated_file(settings, tmp_path, "t", "train").name.endswith("-256-train.jsonl")
+
+
+def test_regenerate_turns_must_be_positive():
+    from dflash.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.set("data.regenerate_turns", 0)
+    with pytest.raises(ValueError, match="data.regenerate_turns must be >= 1"):
+        cfg.validate()
