@@ -232,16 +232,49 @@ def _nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def memory_breakdown(trainer: DFlashTrainer, peak_bytes: float) -> dict[str, float]:
-    """GiB of the step's peak held by weights (draft and target), gradients, AdamW state, and the rest
-    (activations, autotuning workspace, allocator slack) = peak minus those."""
+def phase_peaks(trainer: DFlashTrainer, batch: dict, device: torch.device) -> tuple[float, float]:
+    """(most bytes allocated up to the end of a forward pass (loss computed, its backward not begun), most
+    bytes allocated in the whole step), over one more eager step: the allocator's host-side counter, read
+    after each micro-batch's objective forward and after the step. NaN on a CPU or when the step
+    replays a CUDA graph (no forward call to watch)."""
+    if device.type != "cuda":
+        return float("nan"), float("nan")
+    peaks: list[int] = []
+    real = trainer.objective.forward
+
+    def watched(*args, **kwargs):
+        out = real(*args, **kwargs)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+        return out
+
+    torch.cuda.reset_peak_memory_stats(device)
+    trainer.objective.forward = watched
+    try:
+        time_steps(trainer, batch, device, 1)
+    finally:
+        del trainer.objective.forward
+    return (max(peaks) if peaks else float("nan")), torch.cuda.max_memory_allocated(device)
+
+
+def memory_breakdown(trainer: DFlashTrainer, batch: dict, device: torch.device) -> dict[str, float]:
+    """GiB of one steady step's peak (`step_peak`, no compilation or autotuning in it) held by weights
+    (draft and target), AdamW state, gradients, and the rest (activations, CE chunk, workspace, allocator
+    slack) = peak minus those; and `forward_peak`, the most allocated before the first backward begins.
+
+    Gradients count only if they exist at the peak: eager steps free them after the update
+    (`zero_grad(set_to_none=True)`), so when the peak is reached in the forward pass, they are not there.
+    A CUDA-graph step keeps them allocated. On a CPU the peaks are NaN."""
+    forward_peak, step_peak = phase_peaks(trainer, batch, device)
     weights = sum(_nbytes(t) for t in {id(t): t for t in [*trainer.objective.parameters(),
                                                             *trainer.objective.buffers()]}.values())
-    grads = sum(_nbytes(p) for p in trainer.draft.parameters() if p.requires_grad)  # alive at the peak
     optimizer = sum(_nbytes(v) for state in trainer.optimizer.state.values() for v in state.values()
                     if torch.is_tensor(v))
-    gib = {"weights": weights, "gradients": grads, "optimizer_state": optimizer}
-    gib["activations_and_workspace"] = peak_bytes - sum(gib.values())
+    peak_in_forward = forward_peak >= 0.999 * step_peak  # False when unknown (NaN)
+    grads = 0 if peak_in_forward and not trainer.config.cuda_graph else sum(
+        _nbytes(p) for p in trainer.draft.parameters() if p.requires_grad)
+    gib = {"weights": weights, "optimizer_state": optimizer, "gradients": grads}
+    gib["activations_and_workspace"] = step_peak - sum(gib.values())
+    gib.update(step_peak=step_peak, forward_peak=forward_peak)
     return {k: v / 2**30 for k, v in gib.items()}
 
 
@@ -283,7 +316,7 @@ def kernel_breakdown(trainer: DFlashTrainer, batch: dict, device: torch.device, 
 
 def print_profile(profile: dict) -> None:
     mem = profile["memory_gib"]
-    print("memory at peak (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))
+    print("memory of one steady step (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))
     k = profile["kernels"]
     print(f"device busy {k['busy_ms_per_step']:.1f} ms of {k['wall_ms_per_step_profiled']:.1f} ms per profiled step; "
           + ", ".join(f"{c} {ms:.1f} ms" for c, ms in k["ms_per_step_by_category"].items()))
@@ -365,7 +398,7 @@ def main() -> int:
                        "latency_slowdown_sync_free": runs["free_lat"] / runs["free_0"],
                        "latency_slowdown_forced_sync": runs["sync_lat"] / runs["sync_0"]})
     if args.profile:
-        result["profile"] = {"memory_gib": memory_breakdown(trainer, peak_bytes),
+        result["profile"] = {"memory_gib": memory_breakdown(trainer, batch, device),
                              "kernels": kernel_breakdown(trainer, batch, device)}
         progress("profiled", t0)
     if world > 1:  # per-rank figures (each rank steps on its own batch) and the total over ranks

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +30,8 @@ def test_bench_step_tiny(tmp_path):
     assert sum(kernels["ms_per_step_by_category"].values()) == pytest.approx(kernels["busy_ms_per_step"])
     assert kernels["top"][0]["ms_per_step"] >= kernels["top"][-1]["ms_per_step"] > 0
     memory = result["profile"]["memory_gib"]
-    assert set(memory) == {"weights", "gradients", "optimizer_state", "activations_and_workspace"}
+    assert set(memory) == {"weights", "gradients", "optimizer_state", "activations_and_workspace", "step_peak",
+                           "forward_peak"}  # the peaks are NaN on a CPU
     assert memory["weights"] > memory["gradients"] > 0  # the weights include the frozen target's
     assert memory["optimizer_state"] == pytest.approx(2 * memory["gradients"], rel=0.01)  # AdamW: two moments
     assert stdout.strip().splitlines()[-1].startswith("bench tiny")
@@ -75,6 +77,29 @@ def test_gpu_kernel_time_skips_annotation_ranges():
     cpu_rows = dict(bench_step.kernel_rows([event("Optimizer.step#AdamW.step", 300.0, annotation=True,
                                                   kind=DeviceType.CPU)], DeviceType.CPU, steps=1))
     assert cpu_rows == {"Optimizer.step#AdamW.step": 0.3}  # on a CPU a range's self time is its own work
+
+
+def test_memory_breakdown_counts_gradients_only_when_alive_at_the_peak(monkeypatch):
+    """Eager steps free the gradients after the update: when the step's peak comes in the forward pass,
+    they hold none of it (session 4's breakdown counted all 1.95 GiB of them whatever the phase)."""
+    from conftest import make_tiny_target, random_batch, tiny_config
+    from dflash.trainer import DFlashTrainer
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_step
+
+    trainer = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    trainer.train_step(random_batch())
+    grads = sum(p.numel() * p.element_size() for p in trainer.draft.parameters()) / 2**30
+    gib = 2**30
+    monkeypatch.setattr(bench_step, "phase_peaks", lambda *a: (1.0 * gib, 1.0 * gib))  # peak in the forward
+    in_forward = bench_step.memory_breakdown(trainer, {}, torch.device("cpu"))
+    monkeypatch.setattr(bench_step, "phase_peaks", lambda *a: (0.5 * gib, 1.0 * gib))  # peak in the backward
+    in_backward = bench_step.memory_breakdown(trainer, {}, torch.device("cpu"))
+    assert in_forward["gradients"] == 0 and in_backward["gradients"] == pytest.approx(grads)
+    for m in (in_forward, in_backward):
+        parts = m["weights"] + m["optimizer_state"] + m["gradients"] + m["activations_and_workspace"]
+        assert m["step_peak"] == 1.0 and parts == pytest.approx(1.0)
 
 
 def test_flop_counting_reproduces_specforge_figure():
