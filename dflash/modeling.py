@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # Default Gaussian-like position decay gamma of the published recipes, by block size.
 _DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -210,6 +211,10 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DFlashDraftConfig) -> None:
         super().__init__()
@@ -218,7 +223,17 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.compiler.is_compiling():
+            # Compiled, silu(gate) * up is recomputed in the backward instead of stored. down_proj's weight
+            # gradient needs it; the backward keeps gate and up anyway, so it costs one elementwise pass
+            # and saves a [tokens, FFN] tensor per layer (0.94 GiB for the 1B benchmark draft).
+            # tests/test_model_loss.py counts what the compiled layer saves.
+            hidden = checkpoint(_swiglu, gate, up, use_reentrant=False,
+                                preserve_rng_state=False)  # no RNG state to save: capturable in a CUDA graph
+        else:
+            hidden = _swiglu(gate, up)
+        return self.down_proj(hidden)
 
 
 class DraftLayer(nn.Module):

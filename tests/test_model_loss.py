@@ -344,3 +344,33 @@ def test_compiled_ce_chunk_stores_no_fp32_vocabulary_buffer():
     allocations = re.findall(r"empty_strided\w*\(\(([^)]*)\), \([^)]*\), (?:dtype=)?torch\.(\w+)", "\n".join(codes))
     vocab_sized = [dtype for shape, dtype in allocations if shape.replace(" ", "") in (f"{c},{v}", f"{c},{v},")]
     assert vocab_sized == ["bfloat16"], allocations
+
+
+def test_compiled_draft_recomputes_the_swiglu_product_instead_of_storing_it():
+    """Compiled, an MLP's backward keeps gate and up but not silu(gate) * up (recomputed from them for
+    down_proj's weight gradient): two `[tokens, FFN]` tensors saved per layer, not three. Gradients are
+    the eager ones."""
+    torch.manual_seed(0)
+    hidden, ffn, tokens, ctx = 64, 192, 96, 16
+    cfg = DFlashDraftConfig(hidden_size=hidden, vocab_size=100, num_target_layers=4, target_layer_ids=[0, 1],
+                            mask_token_id=0, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=ffn)
+    model = DFlashDraftModel(cfg)
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    features = torch.randn(1, ctx, 2 * hidden)
+    position_ids = torch.arange(tokens).unsqueeze(0) % ctx
+    mask = torch.rand(1, 1, tokens, ctx + tokens) < 0.5
+    mask[..., 0] = True  # every query sees at least one key
+    grads, ffn_sized = [], []
+    for fn in (model, torch.compile(model, dynamic=False)):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            out = fn(x, position_ids, mask, target_hidden=features)
+        out.square().sum().backward()
+        ffn_sized.append(sum(1 for t in saved if t.numel() == tokens * ffn))
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+        x.grad = None
+        model.zero_grad()
+    assert ffn_sized[1] == 2 * cfg.num_hidden_layers, ffn_sized  # gate and up per layer
+    for eager, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
