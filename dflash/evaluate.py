@@ -19,20 +19,35 @@ log = logging.getLogger(__name__)
 
 def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts: int,
                max_prompt_tokens: int = 512) -> list[list[int]]:
-    """Token ids of the first user turn (plus a leading system turn) of each conversation, chat-rendered."""
+    """Token ids of the first user turn (plus a leading system turn) of each conversation, chat-rendered:
+    the first `num_prompts` distinct ones.
+
+    A repeated prompt is skipped and counted: greedy decoding gives it the same output again, so it would
+    only weigh τ toward itself (chitchat's held-out split opens 7 of 64 conversations with a prompt
+    seen before). The held-out chain τ̂ scores each regenerated prompt once too."""
     prompts: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    skipped = {"no user turn": 0, "empty or too long": 0, "duplicate prompt": 0}
     for conv in conversations:
         messages = conv["messages"]
         head = [m for m in messages[:2] if m["role"] == "system"][:1]
         user = next((m for m in messages if m["role"] == "user"), None)
         if user is None:
+            skipped["no user turn"] += 1
             continue
         ids = tokenizer.apply_chat_template(head + [user], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        if 0 < len(ids) <= max_prompt_tokens:
+        ids = tuple(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if not 0 < len(ids) <= max_prompt_tokens:
+            skipped["empty or too long"] += 1
+        elif ids in seen:
+            skipped["duplicate prompt"] += 1
+        else:
+            seen.add(ids)
             prompts.append(list(ids))
         if len(prompts) == num_prompts:
             break
+    if any(skipped.values()):
+        log.info("speculative prompts: %d taken, skipped %s", len(prompts), {k: v for k, v in skipped.items() if v})
     if not prompts:
         raise ValueError("no usable prompts (each needs a user turn within max_prompt_tokens)")
     return prompts

@@ -335,3 +335,28 @@ def test_draft_context_is_exactly_the_features_before_the_block(target, trained,
     spec = sp.speculative_generate(target, draft, prompt, max_new_tokens=30)
     assert spec.output_ids == ref and len(starts) >= 2
     assert any(b - a > 1 for a, b in zip(starts, starts[1:], strict=False)), "no draft token was ever accepted"
+
+
+def test_speculative_prompts_are_distinct_and_skips_are_counted(caplog):
+    """A repeated first turn would be decoded again to the same output and only weigh τ toward itself:
+    it is skipped and counted, and `num_prompts` distinct prompts are taken."""
+    import logging
+
+    from dflash.evaluate import prompt_ids
+
+    class CharTokenizer:  # one id per character, the role's first letter before each turn
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return [ord(c) for m in messages for c in m["role"][0] + m["content"]]
+
+    def chat(*turns):
+        return {"messages": [{"role": role, "content": text} for role, text in turns]}
+
+    conversations = [chat(("user", "Hello?")), chat(("user", "Hello?"), ("assistant", "hi")),
+                     chat(("assistant", "no user turn")), chat(("user", "x" * 40)),
+                     chat(("system", "Be brief."), ("user", "Hello?")), chat(("user", "Hello?")), chat(("user", "Why?")),
+                     chat(("user", "Last"))]
+    with caplog.at_level(logging.INFO, logger="dflash.evaluate"):
+        prompts = prompt_ids(CharTokenizer(), conversations, num_prompts=3, max_prompt_tokens=20)
+    texts = ["".join(map(chr, p)) for p in prompts]
+    assert texts == ["uHello?", "sBe brief.uHello?", "uWhy?"]  # a system turn makes a different prompt
+    assert "skipped {'no user turn': 1, 'empty or too long': 1, 'duplicate prompt': 2}" in caplog.text
