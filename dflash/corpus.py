@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +80,16 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
 
 def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
                      target_name: str, part: str) -> Any:
-    """Regenerate one part ("train" or "eval") of the split into its cached file."""
+    """Regenerate one part ("train" or "eval") of the split into its cached file. A multi-turn run takes
+    its first replies from the single-turn file of the same settings when one exists."""
     from dflash.regenerate import regenerate
 
+    turns = _regenerate_turns(settings, part)
+    single = _regenerated_file(replace(settings, regenerate_turns=1), root, target_name, part)
     return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
-                      max_prompt_tokens=settings.regenerate_max_prompt_tokens,
-                      turns=_regenerate_turns(settings, part), target_name=target_name)
+                      max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
+                      first_replies=single if turns > 1 else None)
 
 
 def regenerate_source(config: Any) -> Any:

@@ -234,7 +234,8 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     calls = {}
 
     def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
-        calls[Path(out_path).name] = kwargs["turns"]
+        first = kwargs["first_replies"]
+        calls[Path(out_path).name] = (kwargs["turns"], first and Path(first).name)
         return SimpleNamespace(path=Path(out_path))
 
     def stop(*args, **kwargs):  # the plumbing up to here is what this test reads
@@ -252,11 +253,13 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
         corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
     train_name = corpus._regenerated_file(settings, tmp_path, "t", "train").name
     eval_name = corpus._regenerated_file(settings, tmp_path, "t", "eval").name
-    assert calls == {train_name: 3, eval_name: 1}
+    settings.regenerate_turns = 1
+    single_train_name = corpus._regenerated_file(settings, tmp_path, "t", "train").name
+    # training: 3 turns, the first replies taken from the single-turn file; held-out: 1 turn
+    assert calls == {train_name: (3, single_train_name), eval_name: (1, None)}
     assert train_name.endswith("-256-3turns-train.jsonl")
     assert eval_name.endswith("-256-eval.jsonl")  # one turn: the name every earlier cache used
-    settings.regenerate_turns = 1
-    assert corpus._regenerated_file(settings, tmp_path, "t", "train").name.endswith("-256-train.jsonl")
+    assert single_train_name.endswith("-256-train.jsonl")
 
 
 def test_regenerate_turns_must_be_positive():
@@ -266,3 +269,37 @@ def test_regenerate_turns_must_be_positive():
     cfg.set("data.regenerate_turns", 0)
     with pytest.raises(ValueError, match="data.regenerate_turns must be >= 1"):
         cfg.validate()
+
+
+def test_first_replies_stand_in_for_the_first_turn(tmp_path, tiny_target, tokenizer):
+    """A multi-turn run takes each first reply from a single-turn file of the same target and generates
+    only the later turns; a truncated first reply ends its conversation; others start from scratch."""
+    def chat(cid, *users):
+        return {"id": cid, "messages": [m for u in users for m in ({"role": "user", "content": u},
+                                                                    {"role": "assistant", "content": "human"})]}
+
+    conversations = [chat("x", "Hello", "And then?"), chat("y", "Tell me", "More"), chat("z", "Fresh", "Again")]
+    first = tmp_path / "single.jsonl"
+    rows = [("x", "Hello", "A finished reply.", False), ("y", "Tell me", "A cut-off rep", True)]
+    first.write_text("".join(json.dumps({
+        "messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}],
+        "prompt_id": prompt_id([{"role": "user", "content": u}]), "target": "tiny", "source_id": cid,
+        "truncated": truncated}) + "\n" for cid, u, a, truncated in rows))
+    counting = CountingGenerate(tiny_target)
+    tiny_target.generate = counting
+    try:
+        result = regenerate(conversations, tiny_target, tokenizer, tmp_path / "two.jsonl", max_new_tokens=4,
+                            turns=2, target_name="tiny", first_replies=first)
+    finally:
+        del tiny_target.generate
+    assert result.first_turns_reused == 2 and result.written == 3
+    assert counting.calls == 1  # one batch: x's second turn and z's first (z's reply is cut off there)
+    by_id = {row["source_id"]: row for row in read_rows(tmp_path / "two.jsonl")}
+    x = [m["content"] for m in by_id["x"]["messages"]]
+    assert x[:3] == ["Hello", "A finished reply.", "And then?"] and len(x) == 4
+    assert x[3] == greedy_reply(tiny_target, tokenizer, by_id["x"]["messages"][:3], 4)
+    assert [m["content"] for m in by_id["y"]["messages"]] == ["Tell me", "A cut-off rep"] and by_id["y"]["truncated"]
+    assert by_id["z"]["messages"][0]["content"] == "Fresh" and len(by_id["z"]["messages"]) == 2
+    with pytest.raises(ValueError, match="not 'other'"):
+        regenerate(conversations, tiny_target, tokenizer, tmp_path / "other.jsonl", max_new_tokens=4, turns=2,
+                   target_name="other", first_replies=first)
