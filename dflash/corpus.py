@@ -85,11 +85,11 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
     from dflash.regenerate import regenerate
 
     turns = _regenerate_turns(settings, part)
-    single = _regenerated_file(replace(settings, regenerate_turns=1), root, target_name, part)
+    single = _regenerated_file(replace(settings, regenerate_turns=1), root, target_name, part) if turns > 1 else None
     return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
                       max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
-                      first_replies=single if turns > 1 else None)
+                      first_replies=single)
 
 
 def regenerate_source(config: Any) -> Any:

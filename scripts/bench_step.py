@@ -374,8 +374,7 @@ def main() -> int:
         dist.barrier()  # every rank starts the measured steps together
     ms = time_steps(trainer, batch, device, args.steps)
     progress(f"{args.steps} timed steps done", t0)
-    peak_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else float("nan")
-    peak_mem = peak_bytes / 2**30
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     peak = matmul_peak(device)
     f = flops(s, density)
     result = {
