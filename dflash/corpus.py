@@ -81,15 +81,17 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
 def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
                      target_name: str, part: str) -> Any:
     """Regenerate one part ("train" or "eval") of the split into its cached file. A multi-turn run takes
-    its first replies from the single-turn file of the same settings when one exists."""
+    the turns already answered from the file of the same settings with the most turns below its own,
+    when one exists (2 turns from 1, 3 from 2 or else 1, ...)."""
     from dflash.regenerate import regenerate
 
     turns = _regenerate_turns(settings, part)
-    single = _regenerated_file(replace(settings, regenerate_turns=1), root, target_name, part) if turns > 1 else None
+    fewer = (_regenerated_file(replace(settings, regenerate_turns=k), root, target_name, part) for k in range(turns - 1, 0, -1))
+    earlier = next((path for path in fewer if path.exists()), None)
     return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
                       max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
-                      first_replies=single)
+                      earlier=earlier)
 
 
 def regenerate_source(config: Any) -> Any:

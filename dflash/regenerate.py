@@ -43,7 +43,7 @@ class RegenerateResult:
     written: int = 0
     reused: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
-    first_turns_reused: int = 0  # first replies taken from ``first_replies`` instead of generated
+    turns_reused: int = 0  # replies taken from ``earlier`` instead of generated
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -120,15 +120,30 @@ def _answered(path: Path, target: str) -> set[str]:
     return {row["prompt_id"] for row in _rows(path, complete, target)}
 
 
-def _first_replies(path: Path, target: str) -> dict[str, tuple[str, bool]]:
-    """prompt_id -> (reply, truncated) of the single-turn rows of ``path`` (a file regenerated with
-    ``turns=1`` by the same target). Its partial last row, if any, is ignored: that prompt is asked again."""
-    replies = {}
-    for row in _rows(path, _complete_lines(path), target):
-        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-        if len(answers) == 1:
-            replies[row["prompt_id"]] = (answers[0], bool(row.get("truncated")))
-    return replies
+def _earlier_replies(path: Path, target: str) -> dict[str, tuple[list[str], bool]]:
+    """prompt_id -> (replies in turn order, truncated) of the rows of ``path`` (a file regenerated with
+    fewer turns by the same target). Its partial last row, if any, is ignored: that prompt is asked again."""
+    return {
+        row["prompt_id"]: ([m["content"] for m in row["messages"] if m["role"] == "assistant"], bool(row.get("truncated")))
+        for row in _rows(path, _complete_lines(path), target)
+    }
+
+
+def _continue_from(chat: _Chat, known: Mapping[str, tuple[list[str], bool]]) -> int:
+    """Move the longest prefix of ``chat``'s user turns answered in ``known`` into its messages, with
+    those replies; a truncated last reply ends the conversation. Returns the number of replies taken."""
+    system = chat.messages
+    for turns in range(len(chat.todo), 0, -1):
+        found = known.get(prompt_id(system + chat.todo[:turns]))
+        if found is None:
+            continue
+        replies, truncated = found
+        for reply in replies:
+            chat.messages = [*chat.messages, chat.todo.pop(0), {"role": "assistant", "content": reply}]
+        if truncated:
+            chat.truncated, chat.stop_reason = True, "reply hit max_new_tokens"
+        return len(replies)
+    return 0
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -218,7 +233,7 @@ def regenerate(
     turns: int | None = 1,
     limit: int | None = None,
     target_name: str | None = None,
-    first_replies: str | os.PathLike[str] | None = None,
+    earlier: str | os.PathLike[str] | None = None,
 ) -> RegenerateResult:
     """Write the target's greedy replies to the prompts of ``conversations`` to ``out_path`` (JSONL).
 
@@ -231,17 +246,19 @@ def regenerate(
     is recorded in every row. With several processes, run it on one and let the others wait: they
     would all append to the same file.
 
-    ``first_replies``: a ``turns=1`` file of the same target and reply budget. Its replies stand in for
-    the first turn of each conversation it answered, so a multi-turn run only generates the later
-    turns (about half the work for ``turns=2``). A truncated first reply ends the conversation there,
-    as if it had just been generated.
+    ``earlier``: a file of the same target and reply budget regenerated with fewer turns. For each
+    conversation, the longest prefix of its user turns answered there is taken with those replies, and
+    only the later turns are generated (with a ``turns=1`` file, about half the work for ``turns=2``;
+    with a ``turns=N-1`` file, only turn N). A truncated reply taken over ends the conversation there,
+    as if it had just been generated; a row that ended early for another reason (a prompt too long, an
+    empty reply) has its next turn asked again.
     """
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     target = target_name or getattr(model, "name_or_path", "") or type(model).__name__
     result = RegenerateResult(path)
     answered = _answered(path, target)
-    known = _first_replies(Path(first_replies), target) if first_replies and Path(first_replies).exists() else {}
+    known = _earlier_replies(Path(earlier), target) if earlier and Path(earlier).exists() else {}
     seen: set[str] = set()
     pending: list[_Chat] = []
     for index, conv in enumerate(islice(conversations, limit)):
@@ -258,12 +275,7 @@ def regenerate(
             system = [m for m in prompt if m["role"] == "system"]
             todo = [m for m in prompt if m["role"] == "user"]
             chat = _Chat(pid, str(conv.get("id", index)), system, todo)
-            first = known.get(prompt_id(system + todo[:1]))
-            if first is not None:  # the first turn was answered already (first_replies)
-                result.first_turns_reused += 1
-                chat.messages = [*system, todo.pop(0), {"role": "assistant", "content": first[0]}]
-                if first[1]:
-                    chat.truncated, chat.stop_reason = True, "reply hit max_new_tokens"
+            result.turns_reused += _continue_from(chat, known)
             pending.append(chat)
 
     # Batch prompts of similar length: one long prompt left-pads its whole batch, and a batch of 32
@@ -289,6 +301,6 @@ def regenerate(
                 result.written += 1
             f.flush()  # a finished batch survives an interruption
             logger.info("regenerated %d/%d prompts", min(start + batch_size, len(pending)), len(pending))
-    logger.info("%s: %d new rows (%d of them with a first reply from %s), %d reused, skipped %s", path,
-                result.written, result.first_turns_reused, first_replies, result.reused, result.skipped)
+    logger.info("%s: %d new rows (%d replies in them taken from %s), %d reused, skipped %s", path,
+                result.written, result.turns_reused, earlier, result.reused, result.skipped)
     return result

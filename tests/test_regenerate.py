@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,9 @@ def test_regenerated_path_is_keyed_by_source_target_and_settings(tmp_path, monke
 
 def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     """`data.regenerate_turns` reaches regenerate() for the training split; held-out rows keep one turn
-    (their first user turns are the speculative-evaluation prompts). Single-turn files keep their names."""
+    (their first user turns are the speculative-evaluation prompts). Single-turn files keep their names.
+    The turns already answered come from the existing file of the same settings with the most turns
+    below the run's own."""
     from types import SimpleNamespace
 
     import dflash.corpus as corpus
@@ -234,8 +237,8 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     calls = {}
 
     def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
-        first = kwargs["first_replies"]
-        calls[Path(out_path).name] = (kwargs["turns"], first and Path(first).name)
+        earlier = kwargs["earlier"]
+        calls[Path(out_path).name] = (kwargs["turns"], earlier and Path(earlier).name)
         return SimpleNamespace(path=Path(out_path))
 
     def stop(*args, **kwargs):  # the plumbing up to here is what this test reads
@@ -249,17 +252,26 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     settings = DataSettings(source=str(source), eval_size=1, regenerate_turns=3, cache_dir=str(tmp_path))
     monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
     monkeypatch.setattr(corpus, "build_dataset", stop)
-    with pytest.raises(RuntimeError, match="stop before tokenizing"):
-        corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
-    train_name = corpus._regenerated_file(settings, tmp_path, "t", "train").name
-    eval_name = corpus._regenerated_file(settings, tmp_path, "t", "eval").name
-    settings.regenerate_turns = 1
-    single_train_name = corpus._regenerated_file(settings, tmp_path, "t", "train").name
-    # training: 3 turns, the first replies taken from the single-turn file; held-out: 1 turn
-    assert calls == {train_name: (3, single_train_name), eval_name: (1, None)}
-    assert train_name.endswith("-256-3turns-train.jsonl")
-    assert eval_name.endswith("-256-eval.jsonl")  # one turn: the name every earlier cache used
-    assert single_train_name.endswith("-256-train.jsonl")
+
+    def file(turns: int, part: str = "train") -> Path:
+        return corpus._regenerated_file(replace(settings, regenerate_turns=turns), tmp_path, "t", part)
+
+    def run() -> dict:
+        calls.clear()
+        with pytest.raises(RuntimeError, match="stop before tokenizing"):
+            corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
+        return dict(calls)
+
+    train, held_out = file(3).name, file(3, "eval").name
+    assert train.endswith("-256-3turns-train.jsonl")
+    assert held_out.endswith("-256-eval.jsonl")  # one turn: the name every earlier cache used
+    assert file(1).name.endswith("-256-train.jsonl")
+    assert run() == {train: (3, None), held_out: (1, None)}  # nothing to take turns from yet
+    file(1).parent.mkdir(parents=True, exist_ok=True)
+    file(1).write_text("")
+    assert run() == {train: (3, file(1).name), held_out: (1, None)}
+    file(2).write_text("")
+    assert run() == {train: (3, file(2).name), held_out: (1, None)}  # the most turns below 3
 
 
 def test_regenerate_turns_must_be_positive():
@@ -271,35 +283,42 @@ def test_regenerate_turns_must_be_positive():
         cfg.validate()
 
 
-def test_first_replies_stand_in_for_the_first_turn(tmp_path, tiny_target, tokenizer):
-    """A multi-turn run takes each first reply from a single-turn file of the same target and generates
-    only the later turns; a truncated first reply ends its conversation; others start from scratch."""
+def test_earlier_turns_stand_in_for_generated_ones(tmp_path, tiny_target, tokenizer):
+    """A multi-turn run takes the longest prefix of each conversation's turns answered in a file with fewer
+    turns of the same target and generates only the later turns; a truncated reply taken over ends its
+    conversation; a conversation the earlier file does not know starts from scratch."""
     def chat(cid, *users):
         return {"id": cid, "messages": [m for u in users for m in ({"role": "user", "content": u},
                                                                     {"role": "assistant", "content": "human"})]}
 
-    conversations = [chat("x", "Hello", "And then?"), chat("y", "Tell me", "More"), chat("z", "Fresh", "Again")]
-    first = tmp_path / "single.jsonl"
-    rows = [("x", "Hello", "A finished reply.", False), ("y", "Tell me", "A cut-off rep", True)]
-    first.write_text("".join(json.dumps({
-        "messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}],
-        "prompt_id": prompt_id([{"role": "user", "content": u}]), "target": "tiny", "source_id": cid,
-        "truncated": truncated}) + "\n" for cid, u, a, truncated in rows))
+    def row(cid, turns, truncated=False):
+        users = [{"role": "user", "content": u} for u, _ in turns]
+        messages = [m for u, a in turns for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
+        return json.dumps({"messages": messages, "prompt_id": prompt_id(users), "target": "tiny", "source_id": cid,
+                           "truncated": truncated}) + "\n"
+
+    conversations = [chat("x", "Hello", "And then?", "Why?"), chat("y", "Tell me", "More", "Again"),
+                     chat("w", "Short"), chat("z", "Fresh", "Again", "Still")]
+    two = tmp_path / "two.jsonl"
+    two.write_text(row("x", [("Hello", "A finished reply."), ("And then?", "Because.")])
+                   + row("y", [("Tell me", "A cut-off rep")], truncated=True)  # y ended at its first turn
+                   + row("w", [("Short", "Whole.")]))
     counting = CountingGenerate(tiny_target)
     tiny_target.generate = counting
     try:
-        result = regenerate(conversations, tiny_target, tokenizer, tmp_path / "two.jsonl", max_new_tokens=4,
-                            turns=2, target_name="tiny", first_replies=first)
+        result = regenerate(conversations, tiny_target, tokenizer, tmp_path / "three.jsonl", max_new_tokens=4,
+                            turns=3, target_name="tiny", earlier=two)
     finally:
         del tiny_target.generate
-    assert result.first_turns_reused == 2 and result.written == 3
-    assert counting.calls == 1  # one batch: x's second turn and z's first (z's reply is cut off there)
-    by_id = {row["source_id"]: row for row in read_rows(tmp_path / "two.jsonl")}
+    assert result.turns_reused == 4 and result.written == 4
+    assert counting.calls == 1  # one batch: x's third turn and z's first (z's reply is cut off there)
+    by_id = {row["source_id"]: row for row in read_rows(tmp_path / "three.jsonl")}
     x = [m["content"] for m in by_id["x"]["messages"]]
-    assert x[:3] == ["Hello", "A finished reply.", "And then?"] and len(x) == 4
-    assert x[3] == greedy_reply(tiny_target, tokenizer, by_id["x"]["messages"][:3], 4)
+    assert x[:5] == ["Hello", "A finished reply.", "And then?", "Because.", "Why?"] and len(x) == 6
+    assert x[5] == greedy_reply(tiny_target, tokenizer, by_id["x"]["messages"][:5], 4)
     assert [m["content"] for m in by_id["y"]["messages"]] == ["Tell me", "A cut-off rep"] and by_id["y"]["truncated"]
+    assert [m["content"] for m in by_id["w"]["messages"]] == ["Short", "Whole."]  # the whole row taken over
     assert by_id["z"]["messages"][0]["content"] == "Fresh" and len(by_id["z"]["messages"]) == 2
     with pytest.raises(ValueError, match="not 'other'"):
-        regenerate(conversations, tiny_target, tokenizer, tmp_path / "other.jsonl", max_new_tokens=4, turns=2,
-                   target_name="other", first_replies=first)
+        regenerate(conversations, tiny_target, tokenizer, tmp_path / "other.jsonl", max_new_tokens=4, turns=3,
+                   target_name="other", earlier=two)
