@@ -137,7 +137,7 @@ def _continue_from(chat: _Chat, known: Mapping[str, tuple[list[str], bool]]) -> 
         found = known.get(prompt_id(system + chat.todo[:turns]))
         if found is None:
             continue
-        replies, truncated = found
+        replies, truncated = found[0][:turns], found[1]  # a row over `turns` user turns has at most `turns` replies
         for reply in replies:
             chat.messages = [*chat.messages, chat.todo.pop(0), {"role": "assistant", "content": reply}]
         if truncated:
