@@ -322,3 +322,18 @@ def test_earlier_turns_stand_in_for_generated_ones(tmp_path, tiny_target, tokeni
     with pytest.raises(ValueError, match="not 'other'"):
         regenerate(conversations, tiny_target, tokenizer, tmp_path / "other.jsonl", max_new_tokens=4, turns=3,
                    target_name="other", earlier=two)
+
+
+def test_an_earlier_row_with_more_replies_than_turns_is_cut_to_its_turns(tmp_path, tiny_target, tokenizer):
+    """A row of a foreign or edited earlier file may carry more replies than its prompt has user turns:
+    only as many as the matched turns are taken."""
+    user = [{"role": "user", "content": "Only"}]
+    row = {"messages": [*user, {"role": "assistant", "content": "One."}, {"role": "user", "content": "x"},
+                        {"role": "assistant", "content": "Two."}],
+           "prompt_id": prompt_id(user), "target": "tiny", "source_id": "a", "truncated": False}
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text(json.dumps(row) + "\n")
+    result = regenerate([{"id": "a", "messages": user}], tiny_target, tokenizer, tmp_path / "out.jsonl",
+                        max_new_tokens=4, turns=2, target_name="tiny", earlier=earlier)
+    assert result.turns_reused == 1 and result.written == 1
+    assert [m["content"] for m in read_rows(tmp_path / "out.jsonl")[0]["messages"]] == ["Only", "One."]
