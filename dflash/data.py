@@ -589,6 +589,19 @@ class Collator:
         self.bucket_multiple = bucket_multiple
         self.max_length = max_length
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, settings: Any) -> Collator:
+        """The collator of `settings` (a `DataSettings`), padding with the tokenizer's pad token (else
+        eos, else 0)."""
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
+        return cls(pad, settings.bucket_multiple, settings.max_length)
+
+    @property
+    def num_lengths(self) -> int | None:
+        """How many padded lengths S batches can have (None without ``max_length``: unbounded)."""
+        return math.ceil(self.max_length / self.bucket_multiple) if self.max_length else None
+
     def length(self, longest: int) -> int:
         """Padded length S for a batch whose longest row has ``longest`` tokens."""
         padded = math.ceil(max(longest, 1) / self.bucket_multiple) * self.bucket_multiple

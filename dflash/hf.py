@@ -235,12 +235,14 @@ class DFlashTrainingModule(nn.Module):
 
 def dflash_collator(tokenizer: Any, config: TrainConfig) -> Any:
     """This project's `Collator` (bucketed right padding) for `config.data`, padding with the
-    tokenizer's pad token (else eos, else 0). Rows: `{"input_ids": [...], "loss_mask": [...]}`."""
+    tokenizer's pad token (else eos, else 0). Rows: `{"input_ids": [...], "loss_mask": [...]}`.
+    Compiled functions may keep a graph for each padded length, twice (a last, smaller batch)."""
     from dflash.data import Collator
+    from dflash.modeling import allow_compiled_shapes
 
-    pad = getattr(tokenizer, "pad_token_id", None)
-    pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
-    return Collator(pad, config.data.bucket_multiple, config.data.max_length)
+    collator = Collator.for_tokenizer(tokenizer, config.data)
+    allow_compiled_shapes(2 * (collator.num_lengths or 0))
+    return collator
 
 
 # ---- Trainer settings that sync every step ----------------------------------------------------

@@ -167,6 +167,20 @@ def _flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def allow_compiled_shapes(count: int) -> None:
+    """Let every compiled function here (flex attention, the draft under `compile: true`, a CE chunk)
+    keep graphs for `count` batch shapes. They are compiled with `dynamic=False`, one graph per shape;
+    past dynamo's recompile limit (8 by default) a new shape runs eagerly, and eager flex attention
+    materializes the whole score matrix: many times slower, and out of memory at long contexts.
+    Four more entries cover what dynamo also keys on (grad mode, train / eval)."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = count + 4
+    if dynamo_config.recompile_limit < limit:
+        dynamo_config.recompile_limit = limit
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 8 * limit)
+
+
 class ContextFeatures(NamedTuple):
     """Target features after `fc` + `hidden_norm` `[B, S, H]` and their RoPE; a layer turns them into its
     context keys/values with its own k_proj/v_proj inside its forward."""

@@ -422,9 +422,13 @@ class DFlashTrainer:
         from dflash.chain import chain_tau_sums
         from dflash.data import make_dataloader, max_valid_anchors
         from dflash.losses import accepted_prefix_length
+        from dflash.modeling import allow_compiled_shapes
 
-        loader = make_dataloader(dataset, self.config.batch_size, self._collator(), shuffle=False,
-                                 num_workers=0, drop_last=False)
+        collator = self._collator()
+        loader = make_dataloader(dataset, self.config.batch_size, collator, shuffle=False, num_workers=0,
+                                 drop_last=False)
+        # Every valid anchor makes each held-out batch its own width: one more compiled shape per batch.
+        allow_compiled_shapes((collator.num_lengths or 0) + len(loader))
         metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         emitted = forwards = 0
         self.objective.eval()
@@ -581,11 +585,14 @@ class DFlashTrainer:
     # ---- the run ----------------------------------------------------------------------------
 
     def _collator(self):
+        """Bucketed right padding for `config.data`; compiled functions may keep a graph for each of
+        its padded lengths (`allow_compiled_shapes`)."""
         from dflash.data import Collator
+        from dflash.modeling import allow_compiled_shapes
 
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        pad = pad if pad is not None else getattr(self.tokenizer, "eos_token_id", None) or 0
-        return Collator(pad, self.config.data.bucket_multiple, self.config.data.max_length)
+        collator = Collator.for_tokenizer(self.tokenizer, self.config.data)
+        allow_compiled_shapes(collator.num_lengths or 0)
+        return collator
 
     def _datasets(self) -> tuple[Any, Any]:
         """(train, held-out) tokenized datasets: the user's `dataset`, or the configured recipe."""

@@ -277,3 +277,29 @@ def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm():
     for k in folded:
         torch.testing.assert_close(folded[k], clipped[k], rtol=1e-5, atol=1e-6, msg=k)
     assert max((folded[k] - unclipped[k]).abs().max().item() for k in folded) > 1e-4
+
+
+def test_compiled_functions_may_keep_a_graph_for_every_batch_shape(tmp_path, monkeypatch):
+    """Flex attention, the compiled draft and the CE chunks are compiled with dynamic=False: one graph per
+    batch shape. Past dynamo's recompile limit (8) a new shape would run eagerly, and eager flex attention
+    materializes its whole score matrix. Training batches take one of max_length / bucket_multiple padded
+    lengths, and each held-out batch (every valid anchor) has its own width: the limit covers both, plus 4
+    entries for what dynamo also keys on (grad mode, train / eval)."""
+    import torch._dynamo.config as dynamo_config
+
+    def limit_after(run) -> int:
+        monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # dynamo's default, put back after the test
+        monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 256)
+        run()
+        assert dynamo_config.accumulated_recompile_limit >= dynamo_config.recompile_limit
+        return dynamo_config.recompile_limit
+
+    cfg = run_config(tmp_path, max_steps=1, batch_size=1, data__max_length=2048, data__bucket_multiple=64,
+                     eval_interval=0)
+    assert limit_after(lambda: fresh_trainer(cfg).fit()) == 2048 // 64 + 4
+    rows = tokenized_rows(n=6)
+    assert limit_after(lambda: fresh_trainer(cfg).evaluate(rows)) == 2048 // 64 + 6 + 4  # 6 held-out batches
+
+    from dflash.hf import dflash_collator  # Trainer integration: a last, smaller batch doubles the lengths
+
+    assert limit_after(lambda: dflash_collator(None, cfg)) == 2 * (2048 // 64) + 4
