@@ -175,10 +175,13 @@ def allow_compiled_shapes(count: int) -> None:
     Four more entries cover what dynamo also keys on (grad mode, train / eval)."""
     import torch._dynamo.config as dynamo_config
 
+    # torch 2.7 renamed cache_size_limit to recompile_limit (the old names stay as aliases).
+    per_function, overall = (("recompile_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, "recompile_limit")
+                             else ("cache_size_limit", "accumulated_cache_size_limit"))
     limit = count + 4
-    if dynamo_config.recompile_limit < limit:
-        dynamo_config.recompile_limit = limit
-        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 8 * limit)
+    if getattr(dynamo_config, per_function) < limit:
+        setattr(dynamo_config, per_function, limit)
+        setattr(dynamo_config, overall, max(getattr(dynamo_config, overall), 8 * limit))
 
 
 class ContextFeatures(NamedTuple):
