@@ -14,6 +14,7 @@ and nothing else. A dropped block (keep false) still sees its own slots, so no S
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -47,18 +48,22 @@ def dense_dflash_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, b
     return dflash_mask_mod(anchors, keep, seq_len, block_size)(b, h, q, kv)
 
 
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., object]:
+    """`create_block_mask` through torch.compile: the block mask is computed on the device, tile by tile,
+    without materializing the `[Q, KV]` boolean mask. This is what its `_compile=True` flag did; torch
+    2.6 deprecated the flag in favour of compiling the function."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def flex_dflash_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, *, compile: bool = True):
     """The rule as a flex-attention `BlockMask` (GPU path); fully masked tiles are skipped by the kernel."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     bsz, num_blocks = anchors.shape
     q_len = num_blocks * block_size
-    return create_block_mask(
-        dflash_mask_mod(anchors, keep, seq_len, block_size),
-        B=bsz,
-        H=None,
-        Q_LEN=q_len,
-        KV_LEN=seq_len + q_len,
-        device=anchors.device,
-        _compile=compile,
-    )
+    build = _compiled_create_block_mask() if compile else create_block_mask
+    return build(dflash_mask_mod(anchors, keep, seq_len, block_size), B=bsz, H=None, Q_LEN=q_len,
+                 KV_LEN=seq_len + q_len, device=anchors.device)

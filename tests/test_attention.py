@@ -73,13 +73,27 @@ def test_sdpa_rows_never_nan():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("seed", [0, 5])
-def test_flex_matches_dense_forward(seed):
+@pytest.mark.parametrize("seed,compile_mask", [(0, False), (5, False), (0, True)])
+def test_flex_matches_dense_forward(seed, compile_mask, monkeypatch):
+    """The BlockMask gives the dense mask's attention. The GPU path builds it with
+    `torch.compile(create_block_mask)`, not the `_compile` flag torch deprecated. Inductor's CPU code for
+    this mask does not compile, so here torch.compile is replaced by the identity and the test checks
+    that it was asked for, with no deprecation warning."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    from dflash import attention
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn.__name__) or fn)
+    attention._compiled_create_block_mask.cache_clear()
     anchors, keep, seq_len, bs = _random_case(seed, bsz=2, seq_len=60, n=8, bs=4)
     dense = dense_dflash_mask(anchors, keep, seq_len, bs)
-    block_mask = flex_dflash_mask(anchors, keep, seq_len, bs, compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        block_mask = flex_dflash_mask(anchors, keep, seq_len, bs, compile=compile_mask)
+    attention._compiled_create_block_mask.cache_clear()
+    assert compiled == (["create_block_mask"] if compile_mask else [])
+    assert not [w for w in caught if "_compile" in str(w.message)]
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, dense.shape[2], 16, generator=g)
     k = torch.randn(2, 2, dense.shape[3], 16, generator=g)
