@@ -36,12 +36,36 @@ def _stable_key(conv_id: str) -> str:
     return hashlib.sha1(conv_id.encode()).hexdigest()
 
 
+def first_prompt_id(conversation: dict[str, Any]) -> str:
+    """`prompt_id` of a conversation's first user turn (with a leading system turn): the speculative
+    evaluation's prompt for a held-out conversation."""
+    from dflash.regenerate import prompt_id, prompt_turns
+
+    return prompt_id(prompt_turns(conversation["messages"], 1))
+
+
 def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
-    """(train, held_out): the `eval_size` conversations with the smallest id hashes are held out."""
+    """(train, held_out): the `eval_size` conversations with the smallest id hashes are held out, and no
+    training conversation opens with a held-out prompt.
+
+    Chat data repeats openers ("hello?" opens hundreds of chitchat conversations). Greedy regeneration gives
+    a repeated prompt the identical reply, so a training row opening with a held-out prompt holds the very
+    text the speculative evaluation decodes for it: on the H200, 14 of 57 held-out prompts were such, at
+    real τ 5.3-6.8 against 2.7-2.8 for the others (docs/benchmarks.md, session 5). Those training
+    conversations are dropped (logged with a count)."""
     order = sorted(range(len(conversations)), key=lambda i: _stable_key(str(conversations[i].get("id", i))))
     held = set(order[: min(eval_size, max(0, len(conversations) - 1))])
-    train = [c for i, c in enumerate(conversations) if i not in held]
-    return train, [c for i, c in enumerate(conversations) if i in held]
+    held_out = [c for i, c in enumerate(conversations) if i in held]
+    prompts = {first_prompt_id(c) for c in held_out if any(m["role"] == "user" for m in c["messages"])}
+    train = [c for i, c in enumerate(conversations) if i not in held and first_prompt_id(c) not in prompts]
+    dropped = len(conversations) - len(held_out) - len(train)
+    if dropped:
+        log.info("held-out split: %d training conversations dropped for opening with one of the %d held-out "
+                 "prompts", dropped, len(prompts))
+    if conversations and not train:
+        raise ValueError(f"every training conversation opens with a held-out prompt ({len(conversations)} "
+                         "conversations); use a smaller data.eval_size or more varied data")
+    return train, held_out
 
 
 def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -108,17 +132,34 @@ def regenerate_source(config: Any) -> Any:
     return _regenerate_part(train, settings, root, model, tokenizer, config.target, "train")
 
 
+def _drop_rows_opening_with(path: Path, prompts: set[str]) -> int:
+    """Rewrite the regenerated file `path` without its rows that open with one of `prompts` (held-out
+    prompts: files regenerated before `split_held_out` dropped such conversations hold them). Returns
+    how many rows were dropped."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or first_prompt_id(json.loads(line)) not in prompts]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(kept))
+        tmp.replace(path)
+        log.info("%s: dropped %d cached rows opening with a held-out prompt", path, len(lines) - len(kept))
+    return len(lines) - len(kept)
+
+
 def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
     """Train and held-out datasets for `settings` (both cached on disk between runs)."""
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
     conversations, total = _conversations(settings)
     train, held = split_held_out(conversations, settings.eval_size)
     paths: dict[str, Path] = {}
+    stale = 0
     for name, rows in {"train": train, "eval": held}.items():
         if not rows:
             continue
         if settings.regenerate:
             paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name).path
+            if name == "train":
+                stale = _drop_rows_opening_with(paths[name], {first_prompt_id(c) for c in held})
         else:
             tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode())
             paths[name] = _write_jsonl(rows, root / "splits" / f"{tag.hexdigest()[:10]}-{name}.jsonl")
@@ -132,6 +173,7 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         "held_out_conversations": len(held),
         "regenerated": settings.regenerate,
         "train_rows": len(datasets["train"]),
+        "cached_train_rows_dropped_for_held_out_prompts": stale,
         "eval_rows": len(datasets["eval"]) if "eval" in datasets else 0,
         "files": {k: str(v) for k, v in paths.items()},
     }

@@ -239,6 +239,8 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
         earlier = kwargs["earlier"]
         calls[Path(out_path).name] = (kwargs["turns"], earlier and Path(earlier).name)
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).touch()  # regenerate() always leaves its file
         return SimpleNamespace(path=Path(out_path))
 
     def stop(*args, **kwargs):  # the plumbing up to here is what this test reads

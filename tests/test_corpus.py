@@ -1,0 +1,80 @@
+"""The held-out split: no training conversation opens with a held-out (speculative-evaluation) prompt."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import dflash.corpus as corpus
+from dflash.config import DataSettings
+from dflash.corpus import first_prompt_id, split_held_out
+
+
+def conv(cid: str, *users: str) -> dict:
+    return {"id": cid, "messages": [m for u in users for m in ({"role": "user", "content": u},
+                                                               {"role": "assistant", "content": "human"})]}
+
+
+def conversations(n: int = 40) -> list[dict]:
+    """Half open with "hello?" (as chitchat's openers repeat), half with a prompt of their own."""
+    return [conv(str(i), "hello?" if i % 2 else f"question {i}", "and then?") for i in range(n)]
+
+
+def test_no_training_conversation_opens_with_a_held_out_prompt():
+    convs = conversations()
+    train, held = split_held_out(convs, 6)
+    held_prompts = {first_prompt_id(c) for c in held}
+    assert len(held) == 6 and first_prompt_id(conv("x", "hello?")) in held_prompts  # the id hashes pick both kinds
+    assert not held_prompts & {first_prompt_id(c) for c in train}
+    # The held-out side is still the 6 smallest id hashes; only conversations opening with a held-out
+    # prompt left the training side (the other "hello?" conversations).
+    assert {c["id"] for c in held} == {c["id"] for c in sorted(convs, key=lambda c: corpus._stable_key(c["id"]))[:6]}
+    expected = [c for c in convs if c not in held and first_prompt_id(c) not in held_prompts]
+    assert train == expected and len(train) < 40 - 6
+
+
+def test_a_split_with_no_training_conversation_left_is_an_error():
+    with pytest.raises(ValueError, match="every training conversation opens with a held-out prompt"):
+        split_held_out([conv(str(i), "hello?") for i in range(5)], 1)
+
+
+def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkeypatch):
+    """A regenerated training file written before the split dropped such conversations still holds their
+    rows: the corpus removes them before tokenizing, and counts them."""
+    source = tmp_path / "convs.jsonl"
+    convs = conversations()
+    source.write_text("\n".join(json.dumps(c) for c in convs))
+    settings = DataSettings(source=str(source), eval_size=6, cache_dir=str(tmp_path))
+    _, held = split_held_out(convs, 6)
+
+    def row(c) -> str:
+        users = [m for m in c["messages"] if m["role"] == "user"][:1]
+        return json.dumps({"messages": [*users, {"role": "assistant", "content": "greedy"}],
+                           "prompt_id": first_prompt_id(c), "target": "t", "source_id": c["id"],
+                           "truncated": False}) + "\n"
+
+    def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        if not Path(out_path).exists():  # the old cache: every conversation's row, held-out openers included
+            Path(out_path).write_text("".join(row(c) for c in convs))
+        return SimpleNamespace(path=Path(out_path))
+
+    read = {}
+
+    def fake_build(path, tokenizer, max_length, **kwargs):
+        read[Path(path).name] = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        return list(read[Path(path).name])
+
+    import dflash.regenerate as regen_module
+
+    monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
+    monkeypatch.setattr(corpus, "build_dataset", fake_build)
+    result = corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
+    held_prompts = {first_prompt_id(c) for c in held}
+    train_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "train").name]
+    stale = sum(first_prompt_id(c) in held_prompts for c in convs)
+    assert stale > 6  # "hello?" is held out: its 20 conversations' rows were in the cache
+    assert not held_prompts & {r["prompt_id"] for r in train_rows}
+    assert len(train_rows) == len(convs) - stale
+    assert result.description["cached_train_rows_dropped_for_held_out_prompts"] == stale
