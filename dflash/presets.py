@@ -43,10 +43,11 @@ EMBEDDED_GPU: dict[str, Any] = {
     "data.regenerate_batch_size": 256,
     # Two user turns per training conversation (1.31M target tokens instead of 0.96M) and 2400 steps.
     # With one turn the held-out loss turned up after about 10 epochs (1500 steps), and 3000 steps
-    # lowered real τ. With two turns, 2400 steps (about 13 epochs of a larger corpus) gave real τ 2.974
-    # on all 57 distinct held-out prompts against 2.845 after 1500 steps, and the held-out chain τ̂ rose
-    # up to the end (H200, docs/benchmarks.md, session 5). Training takes about 3.5 minutes of the
-    # 10-minute budget; the second turns cost a one-off 7 minutes of regeneration.
+    # lowered real τ. With two turns, 2400 steps (about 13 epochs of a larger corpus) gave real τ 2.776
+    # against 2.668 after 1500 steps on the 43 held-out prompts no training conversation opened with,
+    # and the held-out chain τ̂ rose up to the end (H200, docs/benchmarks.md, session 5). Training takes
+    # about 3.5 minutes of the 10-minute budget; the second turns cost a one-off 7 minutes of
+    # regeneration.
     "data.regenerate_turns": 2,
     "max_steps": 2400,
     "time_budget_minutes": 10.0,
