@@ -80,6 +80,9 @@ class DataSettings:
     # target text from the same prompts). Held-out rows keep 1: their first user turns are the
     # speculative-evaluation prompts, so the held-out chain τ̂ scores what real decoding sees.
     regenerate_turns: int = 1
+    # Each of the first N user messages of a training conversation asked on its own, as a single-turn
+    # prompt (1: the first user turn only). More prompts of the kind the speculative evaluation decodes.
+    standalone_turns: int = 1
     labels: str = "data"  # data: learn the tokens; target: learn the target's greedy next token
     num_workers: int = 2
     cache_dir: str | None = None  # default: $DFLASH_CACHE or ~/.cache/dflash
@@ -160,6 +163,10 @@ class TrainConfig:
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
             (self.data.regenerate_turns >= 1, "data.regenerate_turns must be >= 1"),
+            (self.data.standalone_turns >= 1, "data.standalone_turns must be >= 1"),
+            (self.data.standalone_turns == 1 or (self.data.regenerate and self.data.regenerate_turns == 1),
+             "data.standalone_turns > 1 asks user messages as single-turn prompts of the target: it needs "
+             "data.regenerate=true and data.regenerate_turns=1"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
             (self.param_dtype in ("float32", "bfloat16"), "param_dtype must be float32 or bfloat16"),
             (self.distributed in DISTRIBUTED_MODES,

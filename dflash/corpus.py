@@ -99,6 +99,8 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
     safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
     turns = _regenerate_turns(settings, part)
     suffix = f"-{turns}turns" if turns != 1 else ""  # single-turn files keep their earlier names (caches)
+    if part == "train" and settings.standalone_turns != 1:
+        suffix += f"-{settings.standalone_turns}standalone"
     return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}{suffix}-{part}.jsonl"
 
 
@@ -106,11 +108,16 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
                      target_name: str, part: str) -> Any:
     """Regenerate one part ("train" or "eval") of the split into its cached file. A multi-turn run takes
     the turns already answered from the file of the same settings with the most turns below its own,
-    when one exists (2 turns from 1, 3 from 2 or else 1, ...)."""
+    when one exists (2 turns from 1, 3 from 2 or else 1, ...); a standalone-turns run takes the replies
+    of the first-turn file."""
     from dflash.regenerate import regenerate
 
     turns = _regenerate_turns(settings, part)
-    fewer = (_regenerated_file(replace(settings, regenerate_turns=k), root, target_name, part) for k in range(turns - 1, 0, -1))
+    if part == "train" and settings.standalone_turns > 1:
+        fewer = iter([_regenerated_file(replace(settings, standalone_turns=1), root, target_name, part)])
+    else:
+        fewer = (_regenerated_file(replace(settings, regenerate_turns=k), root, target_name, part)
+                 for k in range(turns - 1, 0, -1))
     earlier = next((path for path in fewer if path.exists()), None)
     return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
@@ -128,8 +135,30 @@ def regenerate_source(config: Any) -> Any:
     model.to(device)
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
     conversations, _ = _conversations(settings)
-    train, _ = split_held_out(conversations, settings.eval_size)
-    return _regenerate_part(train, settings, root, model, tokenizer, config.target, "train")
+    train, held = split_held_out(conversations, settings.eval_size)
+    return _regenerate_part(_training_rows(train, held, settings), settings, root, model, tokenizer, config.target,
+                            "train")
+
+
+def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], settings: DataSettings) -> list[dict[str, Any]]:
+    """The conversations whose prompts the target answers for training: `train` itself, or with
+    `data.standalone_turns` N > 1, each of the first N user messages of every training conversation as a
+    conversation of its own (its leading system turn kept). Those are single-turn prompts, like the
+    speculative evaluation's, and many more of them (chitchat: 66,769 distinct user messages against
+    4,932 distinct first turns); one equal to a held-out prompt is left out."""
+    if settings.standalone_turns == 1:
+        return train
+    held_prompts = {first_prompt_id(c) for c in held}
+    rows = []
+    for index, conv in enumerate(train):
+        messages = conv["messages"]
+        system = [dict(messages[0])] if messages and messages[0]["role"] == "system" else []
+        users = [dict(m) for m in messages if m["role"] == "user"][: settings.standalone_turns]
+        for k, user in enumerate(users):
+            row = {"id": f"{conv.get('id', index)}#{k}", "messages": [*system, user]}
+            if first_prompt_id(row) not in held_prompts:
+                rows.append(row)
+    return rows
 
 
 def _drop_rows_opening_with(path: Path, prompts: set[str]) -> int:
@@ -157,6 +186,8 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         if not rows:
             continue
         if settings.regenerate:
+            if name == "train":
+                rows = _training_rows(rows, held, settings)
             paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name).path
             if name == "train":
                 stale = _drop_rows_opening_with(paths[name], {first_prompt_id(c) for c in held})

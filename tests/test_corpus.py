@@ -78,3 +78,57 @@ def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkey
     assert not held_prompts & {r["prompt_id"] for r in train_rows}
     assert len(train_rows) == len(convs) - stale
     assert result.description["cached_train_rows_dropped_for_held_out_prompts"] == stale
+
+
+def test_standalone_turns_ask_each_user_message_on_its_own():
+    """`data.standalone_turns` N: the first N user messages of each training conversation become
+    single-turn prompts (a leading system turn kept); one equal to a held-out prompt is left out."""
+    system = {"role": "system", "content": "Be brief."}
+    train = [{"id": "a", "messages": [system, *conv("a", "first", "second", "third")["messages"]]},
+             {"id": "b", "messages": conv("b", "other", "hello?")["messages"]}]
+    held = [conv("h", "hello?")]
+    rows = corpus._training_rows(train, held, DataSettings(standalone_turns=2))
+    assert [r["id"] for r in rows] == ["a#0", "a#1", "b#0"]  # b's "hello?" is a held-out prompt
+    assert rows[1]["messages"] == [system, {"role": "user", "content": "second"}]
+    assert corpus._training_rows(train, held, DataSettings()) is train  # 1: the conversations as they are
+
+
+def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(tmp_path, monkeypatch):
+    import dflash.regenerate as regen_module
+
+    source = tmp_path / "convs.jsonl"
+    source.write_text("\n".join(json.dumps(c) for c in conversations()))
+    settings = DataSettings(source=str(source), eval_size=6, cache_dir=str(tmp_path), standalone_turns=2)
+    single = corpus._regenerated_file(DataSettings(source=str(source), eval_size=6), tmp_path, "t", "train")
+    single.parent.mkdir(parents=True)
+    single.write_text("")
+    calls = []
+
+    def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
+        calls.append((Path(out_path).name, len(rows), kwargs["turns"], kwargs["earlier"] and Path(kwargs["earlier"]).name))
+        Path(out_path).touch()
+        return SimpleNamespace(path=Path(out_path))
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stop before tokenizing")
+
+    monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
+    monkeypatch.setattr(corpus, "build_dataset", stop)
+    with pytest.raises(RuntimeError, match="stop before tokenizing"):
+        corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
+    train, held = split_held_out(conversations(), 6)
+    name, rows, turns, earlier = calls[0]
+    assert name.endswith("-256-2standalone-train.jsonl") and turns == 1 and earlier == single.name
+    assert rows == len(corpus._training_rows(train, held, settings)) == 2 * len(train)  # "and then?" twice over
+
+
+def test_standalone_turns_need_single_turn_regeneration():
+    from dflash.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.set("data.standalone_turns", 3)
+    cfg.set("data.regenerate_turns", 2)
+    with pytest.raises(ValueError, match="data.standalone_turns > 1 .* data.regenerate_turns=1"):
+        cfg.validate()
+    cfg.set("data.regenerate_turns", 1)
+    cfg.validate()
