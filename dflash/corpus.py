@@ -106,18 +106,16 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
 
 def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
                      target_name: str, part: str) -> Any:
-    """Regenerate one part ("train" or "eval") of the split into its cached file. A multi-turn run takes
-    the turns already answered from the file of the same settings with the most turns below its own,
-    when one exists (2 turns from 1, 3 from 2 or else 1, ...); a standalone-turns run takes the replies
-    of the first-turn file."""
+    """Regenerate one part ("train" or "eval") of the split into its cached file. A run takes the replies
+    already generated from the existing file of the same settings with the most turns below its own:
+    `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a standalone
+    run (whose 1 is the first-turn file)."""
     from dflash.regenerate import regenerate
 
     turns = _regenerate_turns(settings, part)
-    if part == "train" and settings.standalone_turns > 1:
-        fewer = iter([_regenerated_file(replace(settings, standalone_turns=1), root, target_name, part)])
-    else:
-        fewer = (_regenerated_file(replace(settings, regenerate_turns=k), root, target_name, part)
-                 for k in range(turns - 1, 0, -1))
+    key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
+                  else ("regenerate_turns", turns))
+    fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part) for k in range(count - 1, 0, -1))
     earlier = next((path for path in fewer if path.exists()), None)
     return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
@@ -148,13 +146,14 @@ def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], sett
     4,932 distinct first turns); one equal to a held-out prompt is left out."""
     if settings.standalone_turns == 1:
         return train
+    from dflash.regenerate import prompt_turns
+
     held_prompts = {first_prompt_id(c) for c in held}
     rows = []
     for index, conv in enumerate(train):
-        messages = conv["messages"]
-        system = [dict(messages[0])] if messages and messages[0]["role"] == "system" else []
-        users = [dict(m) for m in messages if m["role"] == "user"][: settings.standalone_turns]
-        for k, user in enumerate(users):
+        turns = prompt_turns(conv["messages"], settings.standalone_turns)
+        system = [m for m in turns if m["role"] == "system"]
+        for k, user in enumerate(m for m in turns if m["role"] == "user"):
             row = {"id": f"{conv.get('id', index)}#{k}", "messages": [*system, user]}
             if first_prompt_id(row) not in held_prompts:
                 rows.append(row)

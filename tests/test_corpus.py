@@ -1,6 +1,7 @@
 """The held-out split: no training conversation opens with a held-out (speculative-evaluation) prompt."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,6 +121,13 @@ def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(t
     name, rows, turns, earlier = calls[0]
     assert name.endswith("-256-2standalone-train.jsonl") and turns == 1 and earlier == single.name
     assert rows == len(corpus._training_rows(train, held, settings)) == 2 * len(train)  # "and then?" twice over
+
+    # With a 2-standalone file in the cache, a 3-standalone run takes its replies from there.
+    two = corpus._regenerated_file(settings, tmp_path, "t", "train")
+    calls.clear()
+    with pytest.raises(RuntimeError, match="stop before tokenizing"):
+        corpus.prepare_corpus(replace(settings, standalone_turns=3), tokenizer=None, target_model=None, target_name="t")
+    assert calls[0][0].endswith("-3standalone-train.jsonl") and calls[0][3] == two.name
 
 
 def test_standalone_turns_need_single_turn_regeneration():
