@@ -210,10 +210,8 @@ class TrainConfig:
         if presets and cfg.target == "embedded":
             from dflash.presets import embedded_preset
 
-            given = {key for key, _ in pairs}
-            for key, value in embedded_preset(cfg.device).items():
-                if key not in given:
-                    cfg.set(key, value)
+            for key, value in embedded_preset(cfg.device, {key for key, _ in pairs}).items():
+                cfg.set(key, value)
         cfg.validate()
         return cfg
 

@@ -60,6 +60,18 @@ def test_yaml_config_and_presets(tmp_path):
     assert other.max_steps == TrainConfig().max_steps  # presets only for the embedded target
 
 
+def test_gpu_preset_leaves_linked_data_keys_to_the_user():
+    """The GPU preset asks standalone prompts (one turn each); a user who sets how many turns the target
+    answers gets none of the preset's turn settings, not a config error."""
+    preset = TrainConfig.from_sources(None, ["device=cuda"])
+    assert (preset.data.regenerate_turns, preset.data.standalone_turns, preset.max_steps) == (1, 3, 3000)
+    turns = TrainConfig.from_sources(None, ["device=cuda", "data.regenerate_turns=2"])
+    assert (turns.data.regenerate_turns, turns.data.standalone_turns) == (2, 1)
+    assert turns.max_steps == 3000  # keys outside the linked group still come from the preset
+    plain = TrainConfig.from_sources(None, ["device=cuda", "data.regenerate=false"])
+    assert (plain.data.regenerate, plain.data.standalone_turns) == (False, 1)
+
+
 def test_dry_run_prints_the_plan(tiny_target_dir, capsys):
     assert main(["train", f"target={tiny_target_dir}", "draft.mask_token_id=16", "draft.num_layers=2",
                  "device=cpu", "--dry-run"]) == 0
