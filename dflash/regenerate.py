@@ -44,6 +44,7 @@ class RegenerateResult:
     reused: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     turns_reused: int = 0  # replies taken from ``earlier`` instead of generated
+    batches_split: int = 0  # batches halved after running out of accelerator memory
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -221,6 +222,28 @@ def _answer(
                 chat.stop_reason = "reply hit max_new_tokens"
 
 
+def _answer_in_memory(
+    chats: list[_Chat], model: Any, tokenizer: Any, max_new_tokens: int, max_prompt_tokens: int
+) -> int:
+    """:func:`_answer`, halving the batch and answering each half when the accelerator runs out of
+    memory. ``regenerate_batch_size`` is sized for short prompts; sorted by length, the last batches hold
+    the longest ones (with 1024 prompts of 1,024 tokens and 256-token replies, about 30 GB of KV cache for
+    SmolLM2-135M). A round that ran out of memory left its chats as they were, and rounds already
+    answered stay answered. Returns how many times a batch was split."""
+    try:
+        _answer(chats, model, tokenizer, max_new_tokens, max_prompt_tokens)
+        return 0
+    except torch.OutOfMemoryError:
+        if len(chats) == 1:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the failed round's blocks, before the halves ask again
+    half = len(chats) // 2
+    logger.warning("regeneration ran out of memory on a batch of %d prompts; answering it in halves", len(chats))
+    return 1 + sum(_answer_in_memory(part, model, tokenizer, max_new_tokens, max_prompt_tokens)
+                   for part in (chats[:half], chats[half:]))
+
+
 def regenerate(
     conversations: Iterable[Mapping[str, Any]],
     model: Any,
@@ -285,7 +308,7 @@ def regenerate(
     with open(path, "a", encoding="utf-8") as f:
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
-            _answer(batch, model, tokenizer, max_new_tokens, max_prompt_tokens)
+            result.batches_split += _answer_in_memory(batch, model, tokenizer, max_new_tokens, max_prompt_tokens)
             for chat in batch:
                 if not any(m["role"] == "assistant" for m in chat.messages):
                     result.skip(chat.stop_reason)
@@ -301,6 +324,7 @@ def regenerate(
                 result.written += 1
             f.flush()  # a finished batch survives an interruption
             logger.info("regenerated %d/%d prompts", min(start + batch_size, len(pending)), len(pending))
-    logger.info("%s: %d new rows (%d replies in them taken from %s), %d reused, skipped %s", path,
-                result.written, result.turns_reused, earlier, result.reused, result.skipped)
+    logger.info("%s: %d new rows (%d replies in them taken from %s), %d reused, skipped %s, %d batches split "
+                "for memory", path, result.written, result.turns_reused, earlier, result.reused, result.skipped,
+                result.batches_split)
     return result

@@ -183,6 +183,36 @@ def test_target_mismatch_and_long_prompts(tmp_path, tiny_target, tokenizer):
     assert result.written == 0 and result.skipped["prompt longer than max_prompt_tokens"] == ANSWERABLE
 
 
+def test_a_batch_out_of_memory_is_answered_in_halves(tmp_path, tokenizer, monkeypatch):
+    """A round that runs out of accelerator memory is asked again in halves, down to single prompts;
+    rounds already answered are not asked again, and one prompt that does not fit fails loudly."""
+    import dflash.regenerate as regen
+
+    calls: list[int] = []
+
+    def generate(model, tokenizer, prompts, max_new_tokens):  # round 1 of the whole batch fits, no later one
+        calls.append(len(prompts))
+        if len(calls) > 1 and len(prompts) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+        return [(f"reply to {len(ids)} tokens", True) for ids in prompts]
+
+    monkeypatch.setattr(regen, "_generate", generate)
+    chats = [{"id": str(k), "messages": [{"role": "user", "content": f"question {k}"},
+                                         {"role": "assistant", "content": "human"},
+                                         {"role": "user", "content": "and then?" + "?" * k}]} for k in range(4)]
+    out = tmp_path / "regen.jsonl"
+    result = regenerate(chats, torch.nn.Module(), tokenizer, out, batch_size=4, turns=2, target_name="t")
+    assert calls == [4, 4, 2, 1, 1, 2, 1, 1]  # round 1 once; round 2: 4 -> 2 + 2 -> 1 + 1 + 1 + 1
+    assert (result.written, result.batches_split) == (4, 3)
+    for row in read_rows(out):
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant", "user", "assistant"]
+
+    calls.clear()
+    monkeypatch.setattr(regen, "_generate", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("planted")))
+    with pytest.raises(torch.OutOfMemoryError):
+        regenerate(chats[:1], torch.nn.Module(), tokenizer, tmp_path / "one.jsonl", batch_size=4, target_name="t")
+
+
 @pytest.mark.slow
 def test_real_target_stops_at_end_of_turn_and_answers_turns_in_sequence(tmp_path, tokenizer, one_thread):
     model, _ = load_embedded_target()
