@@ -94,8 +94,14 @@ def _regenerate_turns(settings: DataSettings, part: str) -> int:
     return settings.regenerate_turns if part == "train" else 1
 
 
+def _split_tag(settings: DataSettings) -> str:
+    """Names the split's files: the source, its split, `limit` and `eval_size` decide which conversations
+    land on each side."""
+    return hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode()).hexdigest()[:10]
+
+
 def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
-    tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode()).hexdigest()[:10]
+    tag = _split_tag(settings)
     safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
     turns = _regenerate_turns(settings, part)
     suffix = f"-{turns}turns" if turns != 1 else ""  # single-turn files keep their earlier names (caches)
@@ -160,17 +166,21 @@ def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], sett
     return rows
 
 
-def _drop_rows_opening_with(path: Path, prompts: set[str]) -> int:
-    """Rewrite the regenerated file `path` without its rows that open with one of `prompts` (held-out
-    prompts: files regenerated before `split_held_out` dropped such conversations hold them). Returns
-    how many rows were dropped."""
+def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int) -> int:
+    """Rewrite the regenerated file `path` to the rows whose prompts `rows` ask (with `turns` user turns
+    each), and return how many it dropped. Regeneration appends to a cache and skips what is there, so a
+    file can hold rows no longer asked for: one written before `split_held_out` dropped training
+    conversations that open with a held-out prompt holds the very text the evaluation decodes."""
+    from dflash.regenerate import prompt_id, prompt_turns
+
+    asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
     lines = path.read_bytes().splitlines(keepends=True)
-    kept = [line for line in lines if not line.strip() or first_prompt_id(json.loads(line)) not in prompts]
+    kept = [line for line in lines if not line.strip() or json.loads(line)["prompt_id"] in asked]
     if len(kept) < len(lines):
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(b"".join(kept))
         tmp.replace(path)
-        log.info("%s: dropped %d cached rows opening with a held-out prompt", path, len(lines) - len(kept))
+        log.info("%s: dropped %d cached rows this run did not ask for", path, len(lines) - len(kept))
     return len(lines) - len(kept)
 
 
@@ -180,7 +190,7 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     conversations, total = _conversations(settings)
     train, held = split_held_out(conversations, settings.eval_size)
     paths: dict[str, Path] = {}
-    stale = 0
+    dropped: dict[str, int] = {}
     for name, rows in {"train": train, "eval": held}.items():
         if not rows:
             continue
@@ -188,11 +198,9 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
             if name == "train":
                 rows = _training_rows(rows, held, settings)
             paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name).path
-            if name == "train":
-                stale = _drop_rows_opening_with(paths[name], {first_prompt_id(c) for c in held})
+            dropped[name] = _keep_rows_asked_for(paths[name], rows, _regenerate_turns(settings, name))
         else:
-            tag = hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode())
-            paths[name] = _write_jsonl(rows, root / "splits" / f"{tag.hexdigest()[:10]}-{name}.jsonl")
+            paths[name] = _write_jsonl(rows, root / "splits" / f"{_split_tag(settings)}-{name}.jsonl")
     datasets = {name: build_dataset(str(path), tokenizer, settings.max_length, cache_dir=root / "datasets")
                 for name, path in paths.items()}
     description = {
@@ -203,7 +211,7 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         "held_out_conversations": len(held),
         "regenerated": settings.regenerate,
         "train_rows": len(datasets["train"]),
-        "cached_train_rows_dropped_for_held_out_prompts": stale,
+        "cached_rows_not_asked_for": dropped,
         "eval_rows": len(datasets["eval"]) if "eval" in datasets else 0,
         "files": {k: str(v) for k, v in paths.items()},
     }

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dflash.regenerate import prompt_turns
+
 log = logging.getLogger(__name__)
 
 
@@ -29,13 +31,11 @@ def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts:
     seen: set[tuple[int, ...]] = set()
     skipped = {"no user turn": 0, "empty or too long": 0, "duplicate prompt": 0}
     for conv in conversations:
-        messages = conv["messages"]
-        head = [m for m in messages[:2] if m["role"] == "system"][:1]
-        user = next((m for m in messages if m["role"] == "user"), None)
-        if user is None:
+        prompt = prompt_turns(conv["messages"], 1)  # the rule the held-out split and regeneration key prompts by
+        if not any(m["role"] == "user" for m in prompt):
             skipped["no user turn"] += 1
             continue
-        ids = tokenizer.apply_chat_template(head + [user], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         ids = tuple(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not 0 < len(ids) <= max_prompt_tokens:
             skipped["empty or too long"] += 1

@@ -42,7 +42,7 @@ def test_a_split_with_no_training_conversation_left_is_an_error():
 
 def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkeypatch):
     """A regenerated training file written before the split dropped such conversations still holds their
-    rows: the corpus removes them before tokenizing, and counts them."""
+    rows: the corpus keeps only the rows the run asked for before tokenizing, and counts the others."""
     source = tmp_path / "convs.jsonl"
     convs = conversations()
     source.write_text("\n".join(json.dumps(c) for c in convs))
@@ -78,7 +78,10 @@ def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkey
     assert stale > 6  # "hello?" is held out: its 20 conversations' rows were in the cache
     assert not held_prompts & {r["prompt_id"] for r in train_rows}
     assert len(train_rows) == len(convs) - stale
-    assert result.description["cached_train_rows_dropped_for_held_out_prompts"] == stale
+    # The fake cache gave the held-out file every conversation's row too: it keeps the held-out prompts only.
+    eval_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "eval").name]
+    assert {r["prompt_id"] for r in eval_rows} == held_prompts and len(eval_rows) == stale
+    assert result.description["cached_rows_not_asked_for"] == {"train": stale, "eval": len(convs) - stale}
 
 
 def test_standalone_turns_ask_each_user_message_on_its_own():

@@ -360,3 +360,8 @@ def test_speculative_prompts_are_distinct_and_skips_are_counted(caplog):
     texts = ["".join(map(chr, p)) for p in prompts]
     assert texts == ["uHello?", "sBe brief.uHello?", "uWhy?"]  # a system turn makes a different prompt
     assert "skipped {'no user turn': 1, 'empty or too long': 1, 'duplicate prompt': 2}" in caplog.text
+    # The prompt is the one the held-out split and regeneration key by (`prompt_turns(messages, 1)`): a
+    # system message counts only when it leads the conversation.
+    late_system = chat(("assistant", "hi"), ("system", "Be brief."), ("user", "Why not?"))
+    (ids,) = prompt_ids(CharTokenizer(), [late_system], num_prompts=1)
+    assert "".join(map(chr, ids)) == "uWhy not?"
