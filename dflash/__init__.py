@@ -18,7 +18,7 @@ _LAZY = {
     "FrozenTarget": "dflash.target",
     "TrainConfig": "dflash.config",
     "DFlashTrainer": "dflash.trainer",
-    "forbid_syncs": "dflash.syncs",
+    "forbid_syncs": "dflash.diagnostics",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

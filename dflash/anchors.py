@@ -3,6 +3,8 @@
 A block of `block_size` tokens starts at an *anchor* position a: slot 0 holds the clean token at a,
 slots 1..bs-1 are predicted. Position i of row b is a valid anchor when `loss_mask[b, i]` and
 `loss_mask[b, i + 1]` are both set (at least one supervised token follows a supervised anchor).
+That rule is written once, in `valid_anchor_mask`; the host-side width bound (`max_valid_anchors`)
+and tokenization's test for a usable row (`has_valid_anchor`) are built on it.
 
 Every row gets exactly `min(N, valid_count)` distinct anchors, drawn uniformly without replacement,
 in a tensor of fixed width N (static shapes: the step can be compiled and graph-captured). The draw
@@ -10,6 +12,8 @@ is "N smallest of i.i.d. uniform scores" via `topk`, which never reads a device 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -24,6 +28,25 @@ def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     valid = torch.zeros_like(lm)
     valid[:, :-1] = lm[:, :-1] & lm[:, 1:]
     return valid
+
+
+def max_valid_anchors(loss_mask_cpu: torch.Tensor) -> int:
+    """Largest per-row count of valid anchors in a `[B, S]` loss mask on the host (0 when empty).
+
+    Reads the collator's CPU copy, before the copy to the device, so bounding the anchor width
+    costs no device sync; a device tensor is refused.
+    """
+    if loss_mask_cpu.device.type != "cpu":
+        raise ValueError("max_valid_anchors reads a host tensor; call it before the copy to the device")
+    if loss_mask_cpu.numel() == 0:
+        return 0
+    return int(valid_anchor_mask(loss_mask_cpu).sum(dim=1).max())
+
+
+def has_valid_anchor(loss_mask: Sequence[int]) -> bool:
+    """Whether one tokenized row (its 0/1 `loss_mask` list) holds a valid anchor: a row without one
+    gives the draft nothing to learn, and tokenization drops it."""
+    return max_valid_anchors(torch.as_tensor(loss_mask, dtype=torch.bool).reshape(1, -1)) > 0
 
 
 def sample_anchors(
@@ -73,7 +96,7 @@ def bounded_width(loss_mask_cpu: torch.Tensor, num_anchors: int, multiple: int =
     """
     if loss_mask_cpu.device.type != "cpu":
         raise ValueError("bounded_width reads the batch on the host: pass the CPU loss_mask")
-    most = int(valid_anchor_mask(loss_mask_cpu).sum(dim=1).max()) if loss_mask_cpu.numel() else 0
+    most = max_valid_anchors(loss_mask_cpu)
     rounded = max(multiple, -(-most // multiple) * multiple)
     return min(num_anchors, rounded)
 
@@ -85,3 +108,10 @@ def anchor_seed(seed: int, rank: int, step: int) -> int:
     x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
     x ^= x >> 32
     return x & (2**63 - 1)
+
+
+def reseed(generator: torch.Generator, seed: int, rank: int, micro_step: int) -> torch.Generator:
+    """`generator` seeded for micro-batch `micro_step` of rank `rank` (the trainer counts step * accum +
+    index, the Trainer module its micro-batches): host-side generator state only, no device work and no
+    sync, and a resumed run draws the same anchors."""
+    return generator.manual_seed(anchor_seed(seed, rank, micro_step))

@@ -18,8 +18,17 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def resolve_attention(name: str, device: torch.device | str) -> str:
+    """The draft's attention backend for `draft.attention`: "auto" is flex attention on a GPU and SDPA
+    with the dense mask elsewhere (flex attention has no CPU backward in the supported torch)."""
+    if name != "auto":
+        return name
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
 def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int) -> MaskMod:
@@ -53,15 +62,11 @@ def _compiled_create_block_mask() -> Callable[..., object]:
     """`create_block_mask` through torch.compile: the block mask is computed on the device, tile by tile,
     without materializing the `[Q, KV]` boolean mask. This is what its `_compile=True` flag did; torch
     2.6 deprecated the flag in favour of compiling the function."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     return torch.compile(create_block_mask)
 
 
 def flex_dflash_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, *, compile: bool = True):
     """The rule as a flex-attention `BlockMask` (GPU path); fully masked tiles are skipped by the kernel."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     bsz, num_blocks = anchors.shape
     q_len = num_blocks * block_size
     build = _compiled_create_block_mask() if compile else create_block_mask

@@ -5,8 +5,7 @@ speculative decoder does not visit every position: after a block accepts `a` tok
 starts `a + 1` positions later. A stretch the draft predicts well is crossed in one step and counts
 once, while each position the draft gets wrong starts a block of its own. Uniform anchors sample
 the good stretch at each of its positions, so whenever acceptance varies along the text the uniform
-average overstates τ (the inspection paradox). On the embedded default on one H200 the uniform
-held-out τ̂ read 4.45 while real τ was 3.04.
+average overstates τ (the inspection paradox; docs/benchmarks.md has the figures).
 
 `chain_tau_sums` replays the decoder on teacher-forced acceptance: given the accepted length `a(p)`
 of a block anchored at every position `p` of a reply `[start, end]` (one forward with every valid

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.factory import draft_model_for_config
+from dflash.modeling import DFlashDraftConfig
+
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
@@ -136,9 +139,6 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> tup
 
 def draft_from_checkpoint(draft_state: dict[str, torch.Tensor], draft_config: dict[str, Any]) -> torch.nn.Module:
     """Rebuild the draft saved in a checkpoint (DFlash, or Domino when its config says so)."""
-    from dflash.domino import draft_model_for_config
-    from dflash.modeling import DFlashDraftConfig
-
     model = draft_model_for_config(DFlashDraftConfig.from_dict(draft_config))
     model.load_state_dict(draft_state)
     return model

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from dflash.presets import embedded_preset
+
 DISTRIBUTED_MODES = ("ddp", "fsdp2")  # how the draft is spread over processes (one process: no effect)
 
 
@@ -208,8 +210,6 @@ class TrainConfig:
         for key, value in pairs:
             cfg.set(key, value)
         if presets and cfg.target == "embedded":
-            from dflash.presets import embedded_preset
-
             for key, value in embedded_preset(cfg.device, {key for key, _ in pairs}).items():
                 cfg.set(key, value)
         cfg.validate()

@@ -17,9 +17,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from dflash.config import DataSettings
-from dflash.data import build_dataset, load_conversations
-from dflash.embedded import cache_root, chitchat_conversations
+from dflash.embedded import cache_root, cache_slug, chitchat_conversations
+from dflash.regenerate import prompt_id, prompt_turns, regenerate
+from dflash.runtime import load_target, resolve_device, resolve_dtype
+from dflash.sources import load_conversations
+from dflash.tokenization import build_dataset
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,6 @@ def _stable_key(conv_id: str) -> str:
 def first_prompt_id(conversation: dict[str, Any]) -> str:
     """`prompt_id` of a conversation's first user turn (with a leading system turn): the speculative
     evaluation's prompt for a held-out conversation."""
-    from dflash.regenerate import prompt_id, prompt_turns
-
     return prompt_id(prompt_turns(conversation["messages"], 1))
 
 
@@ -48,11 +51,10 @@ def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple
     """(train, held_out): the `eval_size` conversations with the smallest id hashes are held out, and no
     training conversation opens with a held-out prompt.
 
-    Chat data repeats openers ("hello?" opens hundreds of chitchat conversations). Greedy regeneration gives
-    a repeated prompt the identical reply, so a training row opening with a held-out prompt holds the very
-    text the speculative evaluation decodes for it: on the H200, 14 of 57 held-out prompts were such, at
-    real τ 5.3-6.8 against 2.7-2.8 for the others (docs/benchmarks.md, session 5). Those training
-    conversations are dropped (logged with a count)."""
+    Chat data repeats openers. Greedy regeneration gives a repeated prompt the identical reply, so a
+    training row opening with a held-out prompt holds the very text the speculative evaluation decodes for
+    it, and the draft's τ on that prompt measures memorization, not drafting. Those training conversations
+    are dropped (logged with a count)."""
     order = sorted(range(len(conversations)), key=lambda i: _stable_key(str(conversations[i].get("id", i))))
     held = set(order[: min(eval_size, max(0, len(conversations) - 1))])
     held_out = [c for i, c in enumerate(conversations) if i in held]
@@ -101,10 +103,12 @@ def _split_tag(settings: DataSettings) -> str:
 
 
 def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
+    """The regenerated JSONL file of one part ("train" or "eval") under `root`, named by the target, the
+    split and the regeneration settings that change its rows."""
     tag = _split_tag(settings)
-    safe_target = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)[-60:]
+    safe_target = cache_slug(target_name, 60, keep_end=True)
     turns = _regenerate_turns(settings, part)
-    suffix = f"-{turns}turns" if turns != 1 else ""  # single-turn files keep their earlier names (caches)
+    suffix = f"-{turns}turns" if turns != 1 else ""  # no suffix for one turn: existing caches keep matching
     if part == "train" and settings.standalone_turns != 1:
         suffix += f"-{settings.standalone_turns}standalone"
     return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}{suffix}-{part}.jsonl"
@@ -116,8 +120,6 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
     already generated from the existing file of the same settings with the most turns below its own:
     `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a standalone
     run (whose 1 is the first-turn file)."""
-    from dflash.regenerate import regenerate
-
     turns = _regenerate_turns(settings, part)
     key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
                   else ("regenerate_turns", turns))
@@ -131,8 +133,6 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
 
 def regenerate_source(config: Any) -> Any:
     """`dflash generate`: regenerate the training split of `config.data` with `config.target` (cached)."""
-    from dflash.trainer import load_target, resolve_device, resolve_dtype
-
     settings = config.data
     device = resolve_device(config.device)
     model, tokenizer = load_target(config.target, resolve_dtype(config.dtype, device))
@@ -148,12 +148,10 @@ def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], sett
     """The conversations whose prompts the target answers for training: `train` itself, or with
     `data.standalone_turns` N > 1, each of the first N user messages of every training conversation as a
     conversation of its own (its leading system turn kept). Those are single-turn prompts, like the
-    speculative evaluation's, and many more of them (chitchat: 66,769 distinct user messages against
-    4,932 distinct first turns); one equal to a held-out prompt is left out."""
+    speculative evaluation's, and many more of them (chat data has far more distinct user messages than
+    distinct first turns); one equal to a held-out prompt is left out."""
     if settings.standalone_turns == 1:
         return train
-    from dflash.regenerate import prompt_turns
-
     held_prompts = {first_prompt_id(c) for c in held}
     rows = []
     for index, conv in enumerate(train):
@@ -171,8 +169,6 @@ def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int) -> 
     each), and return how many it dropped. Regeneration appends to a cache and skips what is there, so a
     file can hold rows no longer asked for: one written before `split_held_out` dropped training
     conversations that open with a held-out prompt holds the very text the evaluation decodes."""
-    from dflash.regenerate import prompt_id, prompt_turns
-
     asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
     lines = path.read_bytes().splitlines(keepends=True)
     kept = [line for line in lines if not line.strip() or json.loads(line)["prompt_id"] in asked]
@@ -217,3 +213,23 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     }
     log.info("corpus: %s", description)
     return Corpus(datasets["train"], datasets.get("eval"), description, held)
+
+
+def training_data(dataset: Any, settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str, *,
+                  rank: int = 0, world_size: int = 1) -> Corpus:
+    """What a run trains and evaluates on: the configured recipe (`prepare_corpus`) when `dataset` is
+    None; else the user's data: a (train, held-out) pair of tokenized datasets, tokenized rows
+    (`input_ids` / `loss_mask`), or conversations to tokenize (no held-out split then)."""
+    if dataset is None:
+        if world_size > 1 and rank != 0:
+            dist.barrier()  # rank 0 regenerates and tokenizes first; the others then read its caches
+        corpus = prepare_corpus(settings, tokenizer, target_model, target_name)
+        if world_size > 1 and rank == 0:
+            dist.barrier()
+        return corpus
+    if isinstance(dataset, tuple):
+        return Corpus(*dataset, description={}, held_out_conversations=[])
+    if "input_ids" in (getattr(dataset, "column_names", None) or []):
+        return Corpus(dataset, None, description={}, held_out_conversations=[])
+    rows = build_dataset(dataset, tokenizer, settings.max_length)
+    return Corpus(rows, None, description={}, held_out_conversations=[])

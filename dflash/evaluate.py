@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from dflash.regenerate import prompt_turns
+from dflash.corpus import split_held_out
+from dflash.embedded import chitchat_conversations
+from dflash.export import check_compatible, load_exported
+from dflash.regenerate import prompt_turns, stop_token_ids
+from dflash.runtime import load_target, resolve_device, resolve_dtype
+from dflash.sources import load_conversations
+from dflash.speculative import evaluate_speculative
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +31,8 @@ def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts:
     the first `num_prompts` distinct ones.
 
     A repeated prompt is skipped and counted: greedy decoding gives it the same output again, so it would
-    only weigh τ toward itself (chitchat's held-out split opens 7 of 64 conversations with a prompt
-    seen before). The held-out chain τ̂ scores each regenerated prompt once too."""
+    only weigh τ toward itself (chat data repeats its openers). The held-out chain τ̂ scores each
+    regenerated prompt once too."""
     prompts: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     skipped = {"no user turn": 0, "empty or too long": 0, "duplicate prompt": 0}
@@ -53,24 +59,14 @@ def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts:
     return prompts
 
 
-def stop_ids(model: Any, tokenizer: Any) -> list[int]:
-    """End-of-sequence / end-of-turn ids from the tokenizer and the generation config."""
-    ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
-    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-    return sorted(ids)
-
-
 def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module, conversations: list[dict[str, Any]],
                        *, num_prompts: int = 20, max_new_tokens: int = 128, return_texts: bool = False) -> dict[str, Any]:
     """tau, acceptance histogram, per-position acceptance, speed-up on `num_prompts` prompts (lossless-checked);
     `return_texts`: also the (prompt, output) token ids, see `evaluate_speculative`."""
-    from dflash.speculative import evaluate_speculative
-
     prompts = prompt_ids(tokenizer, conversations, num_prompts)
     draft.eval()
     report = evaluate_speculative(target_model, draft, prompts, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=stop_ids(target_model, tokenizer), return_texts=return_texts)
+                                  stop_token_ids=stop_token_ids(target_model, tokenizer), return_texts=return_texts)
     report["lossless"] = True  # evaluate_speculative raises LosslessError otherwise (rounding ties are listed)
     return report
 
@@ -90,12 +86,6 @@ def run_eval(draft_dir: str | Path, *, target: str = "embedded", prompts: str = 
              max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
              held_out_size: int = 64) -> dict[str, Any]:
     """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft."""
-    from dflash.corpus import split_held_out
-    from dflash.data import load_conversations
-    from dflash.embedded import chitchat_conversations
-    from dflash.export import check_compatible, load_exported
-    from dflash.trainer import load_target, resolve_device, resolve_dtype
-
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, torch_dtype)

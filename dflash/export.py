@@ -43,7 +43,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel, draft_model_for_config
+from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
+from dflash.factory import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
 CONFIG_NAME = "config.json"

@@ -12,9 +12,11 @@ the caller passes the denominator as a device tensor. Nothing here reads a devic
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -59,6 +61,17 @@ def block_targets(
     valid = keep.unsqueeze(-1) & inside & supervised & (slots > 0)
     decay = torch.exp(-(slots.float() - 1).clamp(min=0) / gamma)
     return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=valid.float() * decay, valid=valid)
+
+
+def window_loss_scale(targets: Sequence[BlockTargets], world_size: int) -> torch.Tensor:
+    """The factor `[]` fp32 each micro-batch's `Σ w·CE` is multiplied by before its backward:
+    `world_size / Σ w`, the weights summed over the accumulation window and (a collective, never read
+    to the host) over every rank. DDP and FSDP2 average gradients over ranks; the `world_size` factor
+    turns that average into the gradient of the global token mean."""
+    denominator = torch.stack([t.weights.sum() for t in targets]).sum()
+    if world_size > 1:
+        dist.all_reduce(denominator)
+    return world_size / denominator.clamp(min=1e-6)
 
 
 def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # Default Gaussian-like position decay gamma of the published recipes, by block size.
@@ -162,8 +164,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @functools.cache
 def _flex_attention():
     """flex_attention compiled once: eager flex materializes the whole score matrix (slow, large)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -173,8 +173,6 @@ def allow_compiled_shapes(count: int) -> None:
     past dynamo's recompile limit (8 by default) a new shape runs eagerly, and eager flex attention
     materializes the whole score matrix: many times slower, and out of memory at long contexts.
     Four more entries cover what dynamo also keys on (grad mode, train / eval)."""
-    import torch._dynamo.config as dynamo_config
-
     # torch 2.7 renamed cache_size_limit to recompile_limit (the old names stay as aliases).
     per_function, overall = (("recompile_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, "recompile_limit")
                              else ("cache_size_limit", "accumulated_cache_size_limit"))

@@ -15,11 +15,10 @@ from torch import nn
 
 from dflash.anchors import sample_anchors
 from dflash.attention import dense_dflash_mask, flex_dflash_mask
-from dflash.config import TrainConfig
 from dflash.losses import BlockTargets, accepted_prefix_length, block_labels, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_decay_gamma
-from dflash.target import FrozenTarget, resolve_mask_token_id
+from dflash.modeling import DFlashDraftModel, default_decay_gamma
+from dflash.target import FrozenTarget
 
 
 @dataclass
@@ -31,44 +30,6 @@ class BlockOutput:
     ce_sum: torch.Tensor  # [] weighted CE of the final logits, for the reported loss
     correct: torch.Tensor  # [B, N, bs-1] bool: argmax == label, slots 1..bs-1
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # variant metric sums (Domino)
-
-
-def configured_mask_token(config: TrainConfig) -> int | str | None:
-    """`draft.mask_token_id`, or the embedded default's reserved token when the target is embedded."""
-    if config.draft.mask_token_id is not None or config.target != "embedded":
-        return config.draft.mask_token_id
-    from dflash.embedded import EMBEDDED_MASK_TOKEN
-
-    return EMBEDDED_MASK_TOKEN
-
-
-def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlashDraftModel:
-    """A fresh draft shaped for `target_model` from the `draft` section of `config`."""
-    ds = config.draft
-    vocab_rows = target_model.get_input_embeddings().weight.shape[0]
-    mask_id = resolve_mask_token_id(tokenizer, vocab_rows, configured_mask_token(config))
-    draft_cfg = DFlashDraftConfig.for_target(
-        target_model.config,
-        mask_token_id=mask_id,
-        num_hidden_layers=ds.num_layers,
-        target_layer_ids=ds.target_layer_ids,
-        block_size=ds.block_size,
-        num_attention_heads=ds.num_attention_heads,
-        num_key_value_heads=ds.num_key_value_heads,
-        head_dim=ds.head_dim,
-        intermediate_size=ds.intermediate_size,
-    )
-    return DFlashDraftModel(draft_cfg)
-
-
-def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
-                    dtype: torch.dtype, draft: nn.Module | None = None) -> DFlashObjective:
-    """The objective for `config.draft.kind` (dflash, or domino from `dflash.domino`)."""
-    if config.draft.kind == "domino":
-        from dflash.domino import DominoObjective
-
-        return DominoObjective.from_config(config, target_model, tokenizer, device=device, dtype=dtype, draft=draft)
-    return DFlashObjective.from_config(config, target_model, tokenizer, device=device, dtype=dtype, draft=draft)
 
 
 class DFlashObjective(nn.Module):
@@ -105,23 +66,9 @@ class DFlashObjective(nn.Module):
         # Kept out of the module tree (no duplicate state_dict keys); use_draft_call() swaps it.
         object.__setattr__(self, "_draft_call", draft)
 
-    @classmethod
-    def from_config(cls, config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
-                    dtype: torch.dtype, draft: DFlashDraftModel | None = None) -> DFlashObjective:
-        draft = draft if draft is not None else build_draft(config, target_model, tokenizer)
-        target = FrozenTarget(target_model, draft.config.target_layer_ids).to(device, dtype)
-        ds = config.draft
-        attention = ds.attention if ds.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-        # Draft weights stay fp32 (AdamW master weights); on GPU the forward runs under bf16 autocast.
-        return cls(target, draft.to(device, torch.float32), num_anchors=ds.num_anchors, attention=attention,
-                   dtype=dtype, gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels)
-
     def use_draft_call(self, call: nn.Module) -> None:
         """Run the draft through `call` (the draft wrapped in DDP and/or torch.compile)."""
         object.__setattr__(self, "_draft_call", call)
-
-    def train(self, mode: bool = True) -> DFlashObjective:
-        return super().train(mode)  # the target stays in eval mode (FrozenTarget.train overrides it)
 
     # ---- blocks ---------------------------------------------------------------------------
 

@@ -5,38 +5,33 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
+from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_decay_gamma
-from dflash.objective import configured_mask_token
-from dflash.target import resolve_mask_token_id
-from dflash.trainer import resolve_device, resolve_dtype
+from dflash.embedded import embedded_target_dir
+from dflash.factory import draft_config_for, draft_model_for_config
+from dflash.modeling import default_decay_gamma
+from dflash.runtime import resolve_device, resolve_dtype
 
 
 def target_source(name: str) -> str:
     """Folder or hub id that `from_pretrained` reads for `config.target`."""
-    if name == "embedded":
-        from dflash.embedded import embedded_target_dir
-
-        return str(embedded_target_dir())
-    return name
+    return str(embedded_target_dir()) if name == "embedded" else name
 
 
 def plan(config: TrainConfig) -> dict[str, Any]:
-    from transformers import AutoConfig, AutoTokenizer
-
+    """What `config` would run: target shape, layer ids, mask token, draft size (built on the meta
+    device by the trainer's own factory, so a Domino draft counts its head), tokens per step."""
     source = target_source(config.target)
     target_cfg = AutoConfig.from_pretrained(source)
     text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
     tokenizer = AutoTokenizer.from_pretrained(source)
     ds = config.draft
-    mask_id = resolve_mask_token_id(tokenizer, text.vocab_size, configured_mask_token(config))
-    draft_cfg = DFlashDraftConfig.for_target(
-        target_cfg, mask_token_id=mask_id, num_hidden_layers=ds.num_layers, target_layer_ids=ds.target_layer_ids,
-        block_size=ds.block_size, num_attention_heads=ds.num_attention_heads,
-        num_key_value_heads=ds.num_key_value_heads, head_dim=ds.head_dim, intermediate_size=ds.intermediate_size)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in DFlashDraftModel(draft_cfg).parameters())
+    draft_cfg = draft_config_for(config, target_cfg, tokenizer, text.vocab_size)
+    mask_id = draft_cfg.mask_token_id
+    with torch.device("meta"):  # sizes only: nothing is allocated or initialised
+        params = sum(p.numel() for p in draft_model_for_config(draft_cfg).parameters())
     device = resolve_device(config.device)
     rows = config.batch_size * config.optim.grad_accum
     return {
@@ -48,6 +43,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "target_layer_ids": draft_cfg.target_layer_ids,
         "mask_token_id": mask_id,
         "mask_token": tokenizer.convert_ids_to_tokens(mask_id),
+        "draft_kind": ds.kind,
         "draft_layers": draft_cfg.num_hidden_layers,
         "draft_parameters": params,
         "block_size": draft_cfg.block_size,
@@ -59,7 +55,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "steps": config.max_steps,
         "device": str(device),
         "dtype": str(resolve_dtype(config.dtype, device)).replace("torch.", ""),
-        "attention": ds.attention if ds.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa"),
+        "attention": resolve_attention(ds.attention, device),
         "data": config.data.source,
         "regenerate": config.data.regenerate,
         "labels": config.data.labels,

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash.reporting import read_history
+
 History = Sequence[dict[str, Any]]
 
 SPECULATIVE_FILE = "export/eval.json"  # the speculative-decoding report of the run's exported draft
@@ -40,8 +42,6 @@ def _require_matplotlib() -> Any:
 def load_history(run: str | Path | History) -> list[dict[str, Any]]:
     """A run's history: `run` is a run folder (its metrics.jsonl) or an already loaded list."""
     if isinstance(run, (str, Path)):
-        from dflash.reporting import read_history
-
         folder = Path(run)
         if not (folder / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{folder} has no metrics.jsonl (a dflash run folder or a Trainer output_dir "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 EMBEDDED_CPU: dict[str, Any] = {
     "draft.num_layers": 2,
     "draft.num_anchors": 32,
@@ -42,12 +44,9 @@ EMBEDDED_GPU: dict[str, Any] = {
     "data.eval_size": 64,
     "data.regenerate_max_new_tokens": 256,
     # The first three user messages of every training conversation, each asked as a single-turn prompt
-    # like the evaluation's (10,428 prompts answered, 10,396 rows), and 3000 steps. Against two turns per
-    # conversation and 2400 steps (the session 5 default), real τ on the 57 held-out prompts went from
-    # 2.913 to 3.174 and 3.102 (seeds 0 and 1), and the held-out chain τ̂ rose to step 2500-3000 (H200,
-    # docs/benchmarks.md, session 6). Training takes about 4 minutes of the 10-minute budget. The
-    # prompts past the first turns (about 5,550) cost a one-off 3.5 minutes of regeneration at batch
-    # 1024 (HF generate is bound by per-step overhead here, so a larger batch is nearly free).
+    # like the evaluation's: more prompts of the kind the speculative evaluation decodes, which beat
+    # two turns per conversation on real τ (docs/benchmarks.md). Regenerated once at a large batch: HF
+    # generate is bound by per-step overhead at this model size, so a larger batch is nearly free.
     "data.regenerate_turns": 1,
     "data.standalone_turns": 3,
     "data.regenerate_batch_size": 1024,
@@ -56,9 +55,8 @@ EMBEDDED_GPU: dict[str, Any] = {
     "log_interval": 50,
     "eval_interval": 500,
     "optim.lr": 6e-4,
-    # Every held-out prompt (data.eval_size): real tau on the prompts the held-out chain estimate scores.
-    # With 32 the sets differed; on the H200 the estimate read 13-16% under real tau while the chain over
-    # the decoded prompts' own outputs matched it to 0.2% (docs/benchmarks.md, session 3).
+    # Every held-out prompt (data.eval_size): real tau on the prompts the held-out chain estimate scores,
+    # so the two figures differ only by numerics, not by the choice of prompts (docs/benchmarks.md).
     "spec_eval_prompts": 64,
     "spec_eval_max_new_tokens": 128,
     "output_dir": "runs/embedded",
@@ -75,8 +73,6 @@ LINKED: tuple[frozenset[str], ...] = (
 def embedded_preset(device: str, given: set[str] = frozenset()) -> dict[str, Any]:
     """The embedded default's settings for `device` ("auto" resolves to cuda when available), less the
     keys in `given` (set by the user) and the keys linked to one of them."""
-    import torch
-
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     held = set(given).union(*(group for group in LINKED if group & set(given)))
     return {key: value for key, value in (EMBEDDED_GPU if on_gpu else EMBEDDED_CPU).items() if key not in held}

@@ -7,10 +7,10 @@ replies dropped) and asks the target for its greedy reply to each user turn in s
 becoming context for the next turn. ``turns=1`` is the single-turn recipe.
 
 The output is a JSONL file of ``{"messages": [...], "prompt_id", "target", "source_id",
-"truncated"}`` rows that :func:`dflash.data.load_conversations` reads. It is written a batch at a
+"truncated"}`` rows that :func:`dflash.sources.load_conversations` reads. It is written a batch at a
 time and flushed, keyed by ``prompt_id`` (a hash of the prompt turns): a rerun skips the prompts
-already answered, so an interrupted run resumes where it stopped and identical prompts (chitchat
-has 587 conversations opening with "Hello?") are answered once.
+already answered, so an interrupted run resumes where it stopped and identical prompts (chat data
+repeats its openers) are answered once.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from dflash.embedded import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +72,6 @@ def prompt_id(prompt: Sequence[Mapping[str, str]]) -> str:
     """Stable id of a prompt: 16 hex digits of the SHA-256 of its turns."""
     text = json.dumps([[m["role"], m["content"]] for m in prompt], ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def regenerated_path(source: str, target: str, **settings: Any) -> Path:
-    """Default output file for regenerating ``source`` with ``target`` under ``settings`` (e.g.
-    turns, max_new_tokens): ``<cache_root>/regenerated/<source>-<hash>.jsonl``."""
-    key = json.dumps({"source": source, "target": target, **settings}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(source).stem)[:40]
-    return cache_root() / "regenerated" / f"{slug}-{digest}.jsonl"
 
 
 def _rows(path: Path, data: bytes, target: str) -> Iterator[dict[str, Any]]:
@@ -147,11 +136,13 @@ def _continue_from(chat: _Chat, known: Mapping[str, tuple[list[str], bool]]) -> 
     return 0
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Token ids that end a reply: the generation config's eos ids and the tokenizer's eos."""
-    configured = model.generation_config.eos_token_id
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end a reply, sorted: the generation config's eos ids (when the model has a
+    generation config) and the tokenizer's eos. Regeneration and the speculative evaluation both stop
+    on these. Raises when there is none: a reply would then only ever end at its token budget."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    if tokenizer.eos_token_id is not None:
+    if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     if not ids:
         raise ValueError("neither the model's generation config nor the tokenizer defines an eos token")
@@ -172,7 +163,7 @@ def _generate(
     Prompts are left-padded into a [B, P] batch, so every reply starts at column P; ``finished`` is
     False when a reply ran into ``max_new_tokens`` before an end-of-turn token.
     """
-    eos = _eos_ids(model, tokenizer)
+    eos = stop_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     width = max(len(ids) for ids in prompts)
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -227,9 +218,9 @@ def _answer_in_memory(
 ) -> int:
     """:func:`_answer`, halving the batch and answering each half when the accelerator runs out of
     memory. ``regenerate_batch_size`` is sized for short prompts; sorted by length, the last batches hold
-    the longest ones (with 1024 prompts of 1,024 tokens and 256-token replies, about 30 GB of KV cache for
-    SmolLM2-135M). A round that ran out of memory left its chats as they were, and rounds already
-    answered stay answered. Returns how many times a batch was split."""
+    the longest ones, whose KV cache grows with prompt and reply length. A round that ran out of memory
+    left its chats as they were, and rounds already answered stay answered. Returns how many times a
+    batch was split."""
     try:
         _answer(chats, model, tokenizer, max_new_tokens, max_prompt_tokens)
         return 0
@@ -261,7 +252,7 @@ def regenerate(
     """Write the target's greedy replies to the prompts of ``conversations`` to ``out_path`` (JSONL).
 
     ``conversations``: rows with ``messages`` (and optionally ``id``), e.g.
-    :func:`dflash.data.load_conversations` rows or :func:`dflash.embedded.chitchat_conversations`.
+    :func:`dflash.sources.load_conversations` rows or :func:`dflash.embedded.chitchat_conversations`.
     Only the first ``limit`` are considered. Prompts already answered in ``out_path`` are skipped
     (resume); a user turn whose context exceeds ``max_prompt_tokens`` ends its conversation; a
     conversation with no reply (no user turn, empty reply, first prompt too long) is skipped and
@@ -271,10 +262,9 @@ def regenerate(
 
     ``earlier``: a file of the same target and reply budget regenerated with fewer turns. For each
     conversation, the longest prefix of its user turns answered there is taken with those replies, and
-    only the later turns are generated (with a ``turns=1`` file, about half the work for ``turns=2``;
-    with a ``turns=N-1`` file, only turn N). A truncated reply taken over ends the conversation there,
-    as if it had just been generated; a row that ended early for another reason (a prompt too long, an
-    empty reply) has its next turn asked again.
+    only the later turns are generated (with a ``turns=N-1`` file, only turn N). A truncated reply
+    taken over ends the conversation there, as if it had just been generated; a row that ended early
+    for another reason (a prompt too long, an empty reply) has its next turn asked again.
     """
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -301,8 +291,8 @@ def regenerate(
             result.turns_reused += _continue_from(chat, known)
             pending.append(chat)
 
-    # Batch prompts of similar length: one long prompt left-pads its whole batch, and a batch of 32
-    # padded to 1,800 tokens costs as much as 1,800 short prompts.
+    # Batch prompts of similar length: one long prompt left-pads its whole batch, so every prompt in a
+    # batch costs as much as its longest.
     pending.sort(key=lambda chat: len(_prompt_ids(tokenizer, [*chat.messages, *chat.todo[:1]])))
     model.eval()
     with open(path, "a", encoding="utf-8") as f:

@@ -14,16 +14,15 @@ One decode step, with `start` the position of the last emitted token `t` (not ye
             (only the new positions are projected: a step costs O(new tokens) in the draft)
 
 Target features are the *same* tensors the trainer uses (`FrozenTarget`): the output of decoder
-layer i, captured by a forward hook on the layer, for i in `target_layer_ids`. (HF's
-`hidden_states[L]` is after the final norm, so for the last layer it differs from the hook; the hook
-keeps training and serving in agreement.)
+layer i, captured by the same forward hooks (`dflash.target.capture_layer_outputs`), for i in
+`target_layer_ids`. (HF's `hidden_states[L]` is after the final norm, so for the last layer it
+differs from the hook; the hook keeps training and serving in agreement.)
 
 Every emitted token is the target's own greedy choice given the emitted prefix, so the output equals
 plain greedy decoding token for token (`evaluate_speculative` checks it). Up to numerics: the
 verification runs several positions in one forward, which in bf16 can flip a near-tie argmax
-relative to one-token decoding (seen on an H200 with the embedded target: a first difference at new
-token 10 of the first prompt). `evaluate_speculative` therefore accepts a first difference only where
-`near_tie` finds the two tokens' logits equal within bf16 rounding; it records the prompt and
+relative to one-token decoding. `evaluate_speculative` therefore accepts a first difference only
+where `near_tie` finds the two tokens' logits equal within bf16 rounding; it records the prompt and
 position in `numerical_ties` and stops comparing that prompt there. Any other difference raises
 `LosslessError`. In fp32 the check is exact in practice.
 
@@ -41,11 +40,10 @@ training step.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +53,7 @@ from torch import nn
 
 from dflash.domino import DominoDraftModel, domino_propose
 from dflash.modeling import DFlashDraftModel
+from dflash.target import capture_layer_outputs
 
 
 class LosslessError(AssertionError):
@@ -93,7 +92,7 @@ class SpecResult:
 def crop_cache(cache: Any, length: int) -> None:
     """Keep the first `length` positions of an HF KV cache (in place).
 
-    transformers changed `DynamicCache.crop` (checked on the installed versions):
+    transformers changed the meaning of `DynamicCache.crop`'s argument:
       older (4.x, early 5.x)  crop(max_length): absolute new length; a negative value removes
                               that many tokens; crop(0) empties the cache
       5.17                    crop(tokens_to_remove): a negative count removes tokens; a positive
@@ -134,40 +133,6 @@ def _unwrap(target_model: nn.Module) -> nn.Module:
     """Accept an HF causal LM or a `FrozenTarget` (which holds one in `.model`)."""
     inner = getattr(target_model, "model", None)
     return inner if hasattr(target_model, "layer_ids") and isinstance(inner, nn.Module) else target_model
-
-
-@contextlib.contextmanager
-def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[_Captured]:
-    """Hooks on decoder layers `layer_ids` for the duration of the block (same features as FrozenTarget)."""
-    layers = model.get_decoder().layers
-    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
-    if bad:
-        raise ValueError(f"target_layer_ids {list(layer_ids)} out of range for a target with {len(layers)} layers")
-    captured = _Captured(list(layer_ids))
-    handles = [layers[i].register_forward_hook(captured.hook(i)) for i in sorted(set(layer_ids))]
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
-
-
-class _Captured:
-    def __init__(self, layer_ids: list[int]) -> None:
-        self.layer_ids = layer_ids
-        self.outputs: dict[int, torch.Tensor] = {}
-
-    def hook(self, index: int):
-        def fn(module: nn.Module, args: Any, output: Any) -> None:
-            self.outputs[index] = output[0] if isinstance(output, tuple) else output
-
-        return fn
-
-    def features(self) -> torch.Tensor:
-        """`[1, T, K*H]` of the last forward, concatenated in `layer_ids` order."""
-        feats = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
-        self.outputs.clear()
-        return feats
 
 
 # ---- the draft side ------------------------------------------------------------------------------

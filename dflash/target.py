@@ -7,11 +7,63 @@ and exposes the embedding and LM-head weights for the draft to use as constants.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of decoder layers `layer_ids` (the one feature rule).
+
+    A hook stores layer i's output hidden state (the first element when the layer returns a
+    tuple); `features()` concatenates the last forward's outputs on the feature axis, in
+    `layer_ids` order, and clears them. Used by `FrozenTarget` (training) and by
+    `capture_layer_outputs` (serving), so both see the same features.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], layer_ids: Sequence[int]) -> None:
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
+
+    def _hook(self, index: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self) -> torch.Tensor:
+        """`[B, T, K*H]` of the last forward, concatenated in `layer_ids` order."""
+        feats = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        self.outputs.clear()
+        return feats
+
+    def remove(self) -> None:
+        """Take the hooks off the layers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+@contextlib.contextmanager
+def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[LayerCapture]:
+    """`LayerCapture` on the decoder layers of an HF causal LM for the duration of the block
+    (the features `FrozenTarget` gives, from the unmodified model)."""
+    layers = model.get_decoder().layers
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"target_layer_ids {list(layer_ids)} out of range for a target with {len(layers)} layers")
+    captured = LayerCapture(layers, layer_ids)
+    try:
+        yield captured
+    finally:
+        captured.remove()
 
 
 class FrozenTarget(nn.Module):
@@ -40,19 +92,12 @@ class FrozenTarget(nn.Module):
             )
         self.layer_ids = list(layer_ids)
         self._trunk = _truncated_decoder(model.get_decoder(), max(self.layer_ids) + 1)
-        self._captured: dict[int, torch.Tensor] = {}
         self._full: nn.Module | None = None  # all layers, built on first use of features_and_greedy
-        for i in set(self.layer_ids):
-            self._trunk.layers[i].register_forward_hook(self._capture_hook(i))
+        # The full decoder shares the trunk's layer modules, so these hooks fire in both.
+        self._capture = LayerCapture(self._trunk.layers, self.layer_ids)
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError("targets whose LM head has a bias are not supported (the draft reuses the head's weight)")
-
-    def _capture_hook(self, index: int):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._captured[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
 
     def train(self, mode: bool = True) -> FrozenTarget:  # the target never leaves eval mode
         return super().train(False)
@@ -92,12 +137,7 @@ class FrozenTarget(nn.Module):
         position is exact, and HF's padding-mask path would read the mask back to the host (a sync).
         """
         self._trunk(input_ids=input_ids, use_cache=False)
-        return self._take_features()
-
-    def _take_features(self) -> torch.Tensor:
-        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        self._captured.clear()
-        return feats
+        return self._capture.features()
 
     @torch.no_grad()
     def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +149,7 @@ class FrozenTarget(nn.Module):
         if self._full is None:
             self._full = _truncated_decoder(self.model.get_decoder(), self.num_layers)
         last = self._full(input_ids=input_ids, use_cache=False).last_hidden_state  # final-normed
-        feats = self._take_features()
+        feats = self._capture.features()
         greedy = torch.empty_like(input_ids)
         greedy[:, :1] = input_ids[:, :1]
         for start in range(0, input_ids.shape[1] - 1, chunk):
@@ -134,9 +174,6 @@ def _truncated_decoder(decoder: nn.Module, num_layers: int) -> nn.Module:
     The copy's config names `_NO_MASK_IMPL`, so its forward builds no mask; its layers keep their own
     config (the original implementation), and with no mask an sdpa/flash layer attends causally.
     """
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     layer_impl = decoder.config._attn_implementation
     if layer_impl not in _CAUSAL_WITHOUT_MASK:
         raise ValueError(

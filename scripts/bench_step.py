@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel  # noqa: E402
 from dflash.objective import DFlashObjective  # noqa: E402
-from dflash.trainer import DFlashTrainer, init_distributed, shutdown_distributed  # noqa: E402
+from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
+from dflash.trainer import DFlashTrainer  # noqa: E402
 
 
 @dataclass

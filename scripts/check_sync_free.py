@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
 from dflash.data import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
-from dflash.syncs import forbid_syncs  # noqa: E402
-from dflash.trainer import DFlashTrainer, init_distributed, shutdown_distributed  # noqa: E402
+from dflash.diagnostics import forbid_syncs  # noqa: E402
+from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
+from dflash.trainer import DFlashTrainer  # noqa: E402
 
 
 def tiny_llama(cuda: bool):

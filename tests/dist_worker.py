@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from conftest import make_tiny_target, random_batch, tiny_config  # noqa: E402
-from dflash.anchors import sample_anchors  # noqa: E402
+from dflash.anchors import reseed, sample_anchors  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
 # The FSDP2 comparison: 2 micro-batches per step, 2 steps, clipping active (the grad norm is ~6).
@@ -76,7 +76,8 @@ def main_ddp(out: Path) -> None:
     grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters()}
     metrics = trainer.metrics.flush()
     objective.sample_anchors = real_sample
-    drawn, _, _ = trainer.objective.plan(mine["input_ids"], mine["loss_mask"], trainer._anchor_generator(0, 1))
+    generator = reseed(trainer.anchor_generator, trainer.config.seed, trainer.rank, 0)
+    drawn, _, _ = trainer.objective.plan(mine["input_ids"], mine["loss_mask"], generator)
     gathered = [torch.zeros_like(drawn) for _ in range(world)]
     dist.all_gather(gathered, drawn)
     if rank == 0:
@@ -89,7 +90,7 @@ def main_fsdp2(out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
     import dflash.objective as objective
-    from dflash.syncs import forbid_syncs
+    from dflash.diagnostics import forbid_syncs
 
     target = make_tiny_target()
     # Each rank builds different initial weights (different seeds): rank 0's must win, as under DDP.
@@ -118,7 +119,7 @@ def main_fsdp2(out: Path) -> None:
     real_step = trainer.optimizer.step
 
     def recording_step():
-        grads.append(trainer._full({n: p.grad for n, p in trainer.draft.named_parameters()}))
+        grads.append({n: p.grad.full_tensor().cpu() for n, p in trainer.draft.named_parameters()})  # all-gathers
         real_step()
 
     trainer.optimizer.step = recording_step

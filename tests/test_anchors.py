@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.anchors import anchor_seed, bounded_width, sample_anchors, valid_anchor_mask
+from dflash.anchors import (
+    anchor_seed,
+    bounded_width,
+    has_valid_anchor,
+    max_valid_anchors,
+    sample_anchors,
+    valid_anchor_mask,
+)
 
 
 def _row_with_valid(seq_len: int, num_valid: int) -> torch.Tensor:
@@ -106,6 +113,23 @@ def test_bounded_width_host_side():
     assert bounded_width(torch.zeros(2, 10, dtype=torch.bool), 512, 64) == 64
     with pytest.raises(ValueError):
         bounded_width(lm.to("meta"), 512)
+
+
+def test_max_valid_anchors():
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1], [1, 0, 1, 0, 1, 0, 1], [0] * 7], dtype=torch.bool)
+    assert max_valid_anchors(mask) == 3  # row 0: positions 1, 2, 5
+    assert max_valid_anchors(torch.zeros(2, 1, dtype=torch.bool)) == 0
+    with pytest.raises(ValueError, match="host tensor"):
+        max_valid_anchors(mask.to("meta"))
+
+
+def test_has_valid_anchor_is_the_same_rule_on_a_row():
+    """Tokenization keeps a row when it has a valid anchor: some i with loss_mask[i] and loss_mask[i+1]."""
+    for row in ([], [1], [1, 0, 1, 0, 1], [0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]):
+        expected = any(row[i] and row[i + 1] for i in range(len(row) - 1))
+        assert has_valid_anchor(row) == expected
+        if row:
+            assert has_valid_anchor(row) == bool(valid_anchor_mask(torch.tensor([row])).any())
 
 
 def test_rejects_nonpositive_width():

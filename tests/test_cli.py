@@ -6,10 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from conftest import save_tiny_target
 from dflash.cli import main
 from dflash.config import TrainConfig
+from dflash.corpus import training_data
+from dflash.factory import build_draft
+from dflash.plan import plan
 from dflash.reporting import read_history
 
 
@@ -80,6 +84,16 @@ def test_dry_run_prints_the_plan(tiny_target_dir, capsys):
     assert "draft_parameters" in out and "mask_token" in out and "<empty_output>" in out
 
 
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_dry_run_counts_the_parameters_the_trainer_builds(tiny_target_dir, kind):
+    """The dry run sizes the draft through the trainer's own factory (a Domino head included)."""
+    config = TrainConfig.from_sources(None, [f"target={tiny_target_dir}", "draft.mask_token_id=16", "device=cpu",
+                                             "draft.num_layers=2", f"draft.kind={kind}"])
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    built = sum(p.numel() for p in build_draft(config, target, None).parameters())
+    assert plan(config)["draft_parameters"] == built
+
+
 def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, conversations_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=4", "save_interval=2", "eval_interval=2",
@@ -124,13 +138,13 @@ def test_step_with_the_real_data_pipeline_is_sync_free(tiny_target_dir, conversa
     """DataLoader + prefetcher feeding several non-log steps inside forbid_syncs()."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.syncs import forbid_syncs
+    from dflash.diagnostics import forbid_syncs
     from dflash.trainer import DFlashTrainer
 
     cfg = TrainConfig.from_sources(None, _args(tiny_target_dir, conversations_file, tmp_path / "r")[1:])
     trainer = DFlashTrainer(cfg, target=AutoModelForCausalLM.from_pretrained(tiny_target_dir),
                             tokenizer=AutoTokenizer.from_pretrained(tiny_target_dir))
-    train, _ = trainer._datasets()
+    train = training_data(None, cfg.data, trainer.tokenizer, trainer.target.model, cfg.target).train
     batches = trainer._device_batches(train)
     trainer.train_step(next(batches))
     with forbid_syncs(raise_on_first=False) as report:

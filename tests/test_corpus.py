@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import dflash.corpus as corpus
-from dflash.config import DataSettings
+from dflash.config import DataSettings, TrainConfig
 from dflash.corpus import first_prompt_id, split_held_out
 
 
@@ -67,9 +67,7 @@ def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkey
         read[Path(path).name] = [json.loads(line) for line in Path(path).read_text().splitlines()]
         return list(read[Path(path).name])
 
-    import dflash.regenerate as regen_module
-
-    monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
+    monkeypatch.setattr(corpus, "regenerate", fake_regenerate)
     monkeypatch.setattr(corpus, "build_dataset", fake_build)
     result = corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
     held_prompts = {first_prompt_id(c) for c in held}
@@ -98,8 +96,6 @@ def test_standalone_turns_ask_each_user_message_on_its_own():
 
 
 def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(tmp_path, monkeypatch):
-    import dflash.regenerate as regen_module
-
     source = tmp_path / "convs.jsonl"
     source.write_text("\n".join(json.dumps(c) for c in conversations()))
     settings = DataSettings(source=str(source), eval_size=6, cache_dir=str(tmp_path), standalone_turns=2)
@@ -116,7 +112,7 @@ def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(t
     def stop(*args, **kwargs):
         raise RuntimeError("stop before tokenizing")
 
-    monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
+    monkeypatch.setattr(corpus, "regenerate", fake_regenerate)
     monkeypatch.setattr(corpus, "build_dataset", stop)
     with pytest.raises(RuntimeError, match="stop before tokenizing"):
         corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
@@ -134,8 +130,6 @@ def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(t
 
 
 def test_standalone_turns_need_single_turn_regeneration():
-    from dflash.config import TrainConfig
-
     cfg = TrainConfig()
     cfg.set("data.standalone_turns", 3)
     cfg.set("data.regenerate_turns", 2)

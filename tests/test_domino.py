@@ -12,6 +12,7 @@ from safetensors import safe_open
 from conftest import TINY_VOCAB, continuation_batch, make_tiny_target, random_batch, tiny_config
 from dflash import speculative as sp
 from dflash.anchors import sample_anchors
+from dflash.diagnostics import forbid_syncs
 from dflash.domino import (
     DOMINO_WEIGHT_NAMES,
     DominoDraftModel,
@@ -21,9 +22,9 @@ from dflash.domino import (
     domino_propose,
 )
 from dflash.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
+from dflash.factory import build_objective
 from dflash.losses import block_targets, domino_linear_cross_entropy
 from dflash.objective import DFlashObjective
-from dflash.syncs import forbid_syncs
 from dflash.target import FrozenTarget
 from dflash.trainer import DFlashTrainer
 
@@ -42,8 +43,7 @@ def _trainer(target=None, **overrides) -> DFlashTrainer:
 def _objective(target=None, **overrides) -> DominoObjective:
     cfg = _config(**overrides)
     torch.manual_seed(0)
-    return DominoObjective.from_config(cfg, target or make_tiny_target(), None, device=torch.device("cpu"),
-                                       dtype=torch.float32)
+    return build_objective(cfg, target or make_tiny_target(), None, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _plan(obj: DFlashObjective, batch, seed: int = 0):

@@ -9,6 +9,9 @@ import time
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from dflash import embedded
 from dflash.embedded import (
@@ -32,8 +35,6 @@ def target_dir():
 
 @pytest.fixture(scope="module")
 def tokenizer(target_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(target_dir)
 
 
@@ -108,9 +109,7 @@ def test_conversion_race_keeps_the_first_folder(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_converted_logits_equal_gguf_logits(target_dir, one_thread):
     """The conversion compared both models in-process (exactly) and kept the GGUF model's logits;
-    the folder, loaded afresh, reproduces them (loading the GGUF again would take ~25 s)."""
-    from safetensors.torch import load_file
-
+    the folder, loaded afresh, reproduces them (without loading the slow GGUF again)."""
     reference = load_file(target_dir / embedded.GGUF_REFERENCE)
     converted, _ = load_embedded_target()
     with torch.no_grad():
@@ -129,8 +128,6 @@ def test_load_embedded_target_dtype_and_mode(one_thread):
 
 
 def test_mask_token_is_an_unused_embedding_row(target_dir, tokenizer):
-    from safetensors import safe_open
-
     assert tokenizer.convert_ids_to_tokens(EMBEDDED_MASK_TOKEN) == EMBEDDED_MASK_TOKEN_TEXT
     assert tokenizer.added_tokens_decoder[EMBEDDED_MASK_TOKEN].special
     assert EMBEDDED_MASK_TOKEN not in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)

@@ -16,16 +16,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed
 from dflash.data import Collator
+from dflash.diagnostics import DFlashSyncWarning, SyncProbe, per_step_sync_settings
 from dflash.export import load_exported
-from dflash.hf import (
-    EXPORT_DIRNAME,
-    DFlashCallback,
-    DFlashHFTrainer,
-    DFlashSyncWarning,
-    DFlashTrainingModule,
-    SyncProbe,
-    per_step_sync_settings,
-)
+from dflash.hf import EXPORT_DIRNAME, DFlashCallback, DFlashHFTrainer, DFlashTrainingModule
 from dflash.metrics import Metrics
 from dflash.reporting import read_history
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dflash.data import load_conversations, tokenize_conversation
-from dflash.embedded import embedded_target_dir, load_embedded_target
-from dflash.regenerate import prompt_id, prompt_turns, regenerate, regenerated_path
+import dflash.corpus as corpus
+import dflash.regenerate as regen
+from dflash.config import DataSettings, TrainConfig
+from dflash.embedded import cache_root, embedded_target_dir, load_embedded_target
+from dflash.regenerate import prompt_id, prompt_turns, regenerate, stop_token_ids
+from dflash.sources import load_conversations
+from dflash.tokenization import tokenize_conversation
 
 CONVERSATIONS = [
     {
@@ -36,16 +42,12 @@ ANSWERABLE = 5  # a, b, c, f, g
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(embedded_target_dir())
 
 
 @pytest.fixture(scope="module")
 def tiny_target(tokenizer):
     """A random 2-layer Llama over SmolLM2's vocabulary (its eos / pad is <|im_end|>)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64,
@@ -186,8 +188,6 @@ def test_target_mismatch_and_long_prompts(tmp_path, tiny_target, tokenizer):
 def test_a_batch_out_of_memory_is_answered_in_halves(tmp_path, tokenizer, monkeypatch):
     """A round that runs out of accelerator memory is asked again in halves, down to single prompts;
     rounds already answered are not asked again, and one prompt that does not fit fails loudly."""
-    import dflash.regenerate as regen
-
     calls: list[int] = []
 
     def generate(model, tokenizer, prompts, max_new_tokens):  # round 1 of the whole batch fits, no later one
@@ -225,7 +225,7 @@ def test_real_target_stops_at_end_of_turn_and_answers_turns_in_sequence(tmp_path
     }
     one_turn = {"messages": [{"role": "user", "content": "What is 2+2?"}]}
     out = tmp_path / "regen.jsonl"
-    # Prompts with short greedy replies (~10 tokens): CPU generation of the 135M model is slow.
+    # Prompts with short greedy replies: CPU generation of the 135M model is slow.
     regenerate([two_turns, one_turn], model, tokenizer, out, batch_size=2, max_new_tokens=32, turns=2)
     first, second = read_rows(out)
     assert [m["role"] for m in first["messages"]] == ["user", "assistant", "user", "assistant"]
@@ -244,13 +244,33 @@ def test_real_target_stops_at_end_of_turn_and_answers_turns_in_sequence(tmp_path
                 assert supervised[-len(expected) :] == expected
 
 
-def test_regenerated_path_is_keyed_by_source_target_and_settings(tmp_path, monkeypatch):
+def test_regenerated_file_is_keyed_by_source_target_and_settings(tmp_path, monkeypatch):
+    """The file a run regenerates into (`corpus._regenerated_file`, the one path rule): under the cache
+    root's `regenerated/`, named by the target, and another for another source, target or setting."""
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
-    path = regenerated_path("chitchat", "smollm2", turns=1, max_new_tokens=256)
-    assert path.parent == tmp_path / "regenerated" and path.name.startswith("chitchat-")
-    assert path == regenerated_path("chitchat", "smollm2", max_new_tokens=256, turns=1)
-    assert path != regenerated_path("chitchat", "smollm2", turns=2, max_new_tokens=256)
-    assert path != regenerated_path("chitchat", "other", turns=1, max_new_tokens=256)
+    settings = DataSettings(source="chitchat", regenerate_turns=1, regenerate_max_new_tokens=256)
+
+    def path_of(settings: DataSettings, target: str = "org/smollm2", part: str = "train") -> Path:
+        return corpus._regenerated_file(settings, cache_root(), target, part)
+
+    path = path_of(settings)
+    assert path.parent == tmp_path / "regenerated" and path.name.startswith("org_smollm2-")
+    assert path == path_of(DataSettings(regenerate_max_new_tokens=256, regenerate_turns=1, source="chitchat"))
+    assert path != path_of(replace(settings, regenerate_turns=2))
+    assert path != path_of(settings, target="other")
+    assert path != path_of(replace(settings, source="other.jsonl"))
+    assert path != path_of(replace(settings, regenerate_max_new_tokens=128))
+    assert path != path_of(settings, part="eval")
+    assert path_of(settings, target="x" * 100).name.startswith("x" * 60 + "-")  # the end of a long name kept
+
+
+def test_stop_token_ids_are_the_eos_ids_of_the_config_and_tokenizer(tiny_target, tokenizer):
+    assert stop_token_ids(tiny_target, tokenizer) == [tokenizer.eos_token_id]
+    config = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 3]))
+    assert stop_token_ids(config, SimpleNamespace(eos_token_id=3)) == [3, 5]
+    assert stop_token_ids(torch.nn.Module(), SimpleNamespace(eos_token_id=7)) == [7]  # no generation config
+    with pytest.raises(ValueError, match="defines an eos token"):
+        stop_token_ids(torch.nn.Module(), SimpleNamespace(eos_token_id=None))
 
 
 def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
@@ -258,12 +278,6 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     (their first user turns are the speculative-evaluation prompts). Single-turn files keep their names.
     The turns already answered come from the existing file of the same settings with the most turns
     below the run's own."""
-    from types import SimpleNamespace
-
-    import dflash.corpus as corpus
-    import dflash.regenerate as regen_module
-    from dflash.config import DataSettings
-
     calls = {}
 
     def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
@@ -282,7 +296,7 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
              for i in range(4)]
     source.write_text("\n".join(json.dumps(c) for c in chats))
     settings = DataSettings(source=str(source), eval_size=1, regenerate_turns=3, cache_dir=str(tmp_path))
-    monkeypatch.setattr(regen_module, "regenerate", fake_regenerate)
+    monkeypatch.setattr(corpus, "regenerate", fake_regenerate)
     monkeypatch.setattr(corpus, "build_dataset", stop)
 
     def file(turns: int, part: str = "train") -> Path:
@@ -307,8 +321,6 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
 
 
 def test_regenerate_turns_must_be_positive():
-    from dflash.config import TrainConfig
-
     cfg = TrainConfig()
     cfg.set("data.regenerate_turns", 0)
     with pytest.raises(ValueError, match="data.regenerate_turns must be >= 1"):

@@ -15,7 +15,8 @@ import torch
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.checkpoint import find_latest
 from dflash.reporting import read_history
-from dflash.trainer import DFlashTrainer, NonFiniteError
+from dflash.stopping import NonFiniteError
+from dflash.trainer import DFlashTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +193,7 @@ def test_graph_warm_up_leaves_the_optimizer_state_allocated_and_as_it_was():
     trainer = fresh_trainer(tiny_config())
     batch = [random_batch()]
     weights = {k: v.clone() for k, v in trainer.draft.state_dict().items()}
-    trainer._warm_up(batch)
+    trainer._step_graphs().warm_up(batch)
     params = [p for p in trainer.draft.parameters() if p.requires_grad]
     for p in params:
         state = trainer.optimizer.state[p]
@@ -210,7 +211,7 @@ def test_graph_warm_up_leaves_the_optimizer_state_allocated_and_as_it_was():
 
     # Resumed case: non-zero state is put back exactly, in the same tensors.
     saved = {p: {k: (v, v.clone()) for k, v in trainer.optimizer.state[p].items()} for p in params}
-    trainer._warm_up(batch)
+    trainer._step_graphs().warm_up(batch)
     for p in params:
         for k, (tensor, value) in saved[p].items():
             assert trainer.optimizer.state[p][k] is tensor and torch.equal(tensor, value), k

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, train_on_continuations
 from dflash import speculative as sp
 from dflash.attention import dense_dflash_mask
+from dflash.evaluate import prompt_ids
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.target import FrozenTarget
 
@@ -340,10 +343,6 @@ def test_draft_context_is_exactly_the_features_before_the_block(target, trained,
 def test_speculative_prompts_are_distinct_and_skips_are_counted(caplog):
     """A repeated first turn would be decoded again to the same output and only weigh τ toward itself:
     it is skipped and counted, and `num_prompts` distinct prompts are taken."""
-    import logging
-
-    from dflash.evaluate import prompt_ids
-
     class CharTokenizer:  # one id per character, the role's first letter before each turn
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):
             return [ord(c) for m in messages for c in m["role"][0] + m["content"]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_tiny_target, random_batch, tiny_config
-from dflash.syncs import SyncError, forbid_syncs
+from dflash.diagnostics import SyncError, forbid_syncs
 from dflash.trainer import DFlashTrainer
 
 

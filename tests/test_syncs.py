@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import syncs
-from dflash.syncs import FAKE_CUDA, Finding, SyncError, SyncReport, fake_cuda_mode, forbid_syncs
+from dflash.diagnostics import FAKE_CUDA, Finding, SyncError, SyncReport, fake_cuda_mode, forbid_syncs, syncs
 
 X = torch.arange(8, dtype=torch.float32) - 3.5
 MASK = X > 0

@@ -1,0 +1,112 @@
+"""What a run saves and restores besides its data position: the draft's weights, the optimizer's state,
+and the guard that refuses to resume a checkpoint under a configuration that would not continue it.
+
+Weights and optimizer state go through `torch.distributed.checkpoint.state_dict` with full,
+CPU-offloaded state: under FSDP2 every sharded tensor is gathered (a collective every rank joins) and
+rank 0 holds the consolidated values; in one process or under DDP it is the plain state. Either way
+the checkpoint has one layout (optimizer state keyed by parameter name), so a run may resume under
+another `distributed` mode at the same world size and `dflash export` reads every checkpoint alike.
+On load each rank passes the full state it read and keeps its own shard (no communication).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dflash.factory import draft_model_for_config
+from dflash.modeling import DFlashDraftConfig
+
+_SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_LOAD = StateDictOptions(full_state_dict=True)
+
+# Settings that define what a run computes; resuming with any of them changed is refused.
+RUN_DEFINING = ("target", "draft.", "domino.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
+                "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
+                "data.bucket_multiple", "data.labels", "data.regenerate")
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Run-defining settings that differ between a checkpoint's config and the current one,
+    as `"key: saved -> current"` lines."""
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(current)
+    keys = sorted(k for k in set(a) | set(b) if k.startswith(RUN_DEFINING) or k in RUN_DEFINING)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def full_draft_state(draft: nn.Module) -> dict[str, torch.Tensor]:
+    """The draft's full weights on the CPU (trainer names). SYNC POINT; under FSDP2 a collective that
+    every rank calls: rank 0 gets the consolidated tensors, the other ranks an empty dict."""
+    return get_model_state_dict(draft, options=_SAVE)
+
+
+def full_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's full state on the CPU, keyed by parameter name (a collective, as above)."""
+    return get_optimizer_state_dict(draft, optimizer, options=_SAVE)
+
+
+def load_draft_state(draft: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load full weights (every rank passes the same full state; FSDP2 keeps its own shard)."""
+    set_model_state_dict(draft, state, options=_LOAD)
+
+
+def load_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a full optimizer state written by `full_optimizer_state`, then give every param group back
+    its own lr tensor: loading replaces it by a copy, and the trainer's schedule writes the original
+    in place (so the step reads its lr from the device, never from the host)."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    set_optimizer_state_dict(draft, optimizer, state, options=_LOAD)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
+def rebuild_draft(draft_config: DFlashDraftConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """A plain (unsharded) draft with the weights `state`, on `device`; built on the meta device, so no
+    initialisation work is spent on weights that are assigned next."""
+    with torch.device("meta"):
+        model = draft_model_for_config(copy.deepcopy(draft_config))
+    model.load_state_dict(state, assign=True)
+    return model.to(device)
+
+
+def check_world_size(state: dict[str, Any], world_size: int) -> None:
+    """Refuse to resume a checkpoint written by another number of processes."""
+    saved = int(state.get("world_size", 1))
+    if saved != world_size:
+        raise ValueError(f"the checkpoint was written by {saved} process(es) and this run has {world_size}: the "
+                         "data position and per-rank anchors would not continue the same run. Resume with the same "
+                         "number of processes, or warm-start a new run from an export (init_from=...)")
+
+
+def rng_state(anchor_generator: torch.Generator) -> dict[str, Any]:
+    """The RNG states a resumed run continues from. Eager steps reseed anchors from (seed, rank, step);
+    a CUDA graph advances the anchor generator on the device instead, so its state is what continues the
+    anchor stream."""
+    return {"torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "anchor_rng": anchor_generator.get_state()}
+
+
+def restore_rng(state: dict[str, Any], anchor_generator: torch.Generator) -> None:
+    """Set the states `rng_state` saved (loaded with map_location=device: made CPU byte tensors again)."""
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+    if state.get("anchor_rng") is not None:
+        anchor_generator.set_state(state["anchor_rng"].cpu())
