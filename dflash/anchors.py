@@ -88,17 +88,25 @@ def sample_anchors(
     return anchors, keep
 
 
-def bounded_width(loss_mask_cpu: torch.Tensor, num_anchors: int, multiple: int = 64) -> int:
-    """Host-side width bound for a batch still on the CPU: `min(N, max valid count)` rounded up.
+def anchor_widths(num_anchors: int, count: int) -> list[int]:
+    """The widths a training batch may take: `ceil(N * k / count)` for k = 1..count, ascending, the
+    last one N (`count` 1: N only). Few widths keep few compiled shapes and CUDA graphs."""
+    if count < 1:
+        raise ValueError(f"the number of anchor widths must be >= 1, got {count}")
+    return sorted({-(-num_anchors * k // count) for k in range(1, count + 1)})
+
+
+def bounded_width(loss_mask_cpu: torch.Tensor, widths: Sequence[int]) -> int:
+    """The smallest of `widths` (ascending, the last one N) that holds every row's valid anchors.
 
     Runs on the collator's CPU copy before the host-to-device transfer, so it reads no device value.
-    Fixed N stays the default where CUDA graphs are used (the width must not change between steps).
+    A row keeps `min(N, valid count)` anchors either way, so the kept anchors, their order and the
+    random draws are those of the fixed width N; only dropped slots are left out.
     """
     if loss_mask_cpu.device.type != "cpu":
         raise ValueError("bounded_width reads the batch on the host: pass the CPU loss_mask")
     most = max_valid_anchors(loss_mask_cpu)
-    rounded = max(multiple, -(-most // multiple) * multiple)
-    return min(num_anchors, rounded)
+    return next((w for w in widths if w >= most), widths[-1])
 
 
 def anchor_seed(seed: int, rank: int, step: int) -> int:

@@ -1,6 +1,9 @@
 """Command line: `dflash train [CONFIG.yaml] [key=value ...] [--dry-run]` and friends.
 
-The CLI only parses arguments and calls the library; every behaviour lives in a module.
+The CLI only parses arguments and calls the library; every behaviour lives in a module. A condition the
+program can name ends in one line on stderr and an exit code (README, "Exit codes"; `dflash.stopping`):
+0 done, 2 bad configuration or input, 3 stopped on non-finite updates, 4 output not writable (disk
+full, read-only), 128 + N interrupted by signal N after saving (143 SIGTERM, 130 SIGINT).
 """
 
 from __future__ import annotations
@@ -20,10 +23,17 @@ def _train(args: argparse.Namespace) -> int:
 
         print(describe_plan(plan(config)))
         return 0
+    from dflash.stopping import EXIT_NONFINITE, NonFiniteError, interrupted_exit_code
     from dflash.trainer import DFlashTrainer
 
-    summary = DFlashTrainer(config).fit()
+    try:
+        summary = DFlashTrainer(config).fit()
+    except NonFiniteError as e:
+        print(f"dflash train: stopped: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     print(json.dumps(summary, indent=2))
+    if summary.get("interrupted"):  # saved; a scheduler requeues it with resume_from=latest
+        return interrupted_exit_code(summary.get("signal"))
     return 0
 
 
@@ -37,11 +47,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from dflash.checkpoint import draft_from_checkpoint, load_checkpoint, resolve_resume
+    from dflash.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
     from dflash.export import export_draft
 
-    path = resolve_resume(args.checkpoint, args.checkpoint)
-    draft_state, draft_config, _ = load_checkpoint(path)
+    path = checkpoint_folder(args.checkpoint)
+    draft_state, draft_config = load_checkpoint_draft(path)  # weights and config: the optimizer state is not read
     out = export_draft(draft_from_checkpoint(draft_state, draft_config), args.out_dir)
     print(f"exported {path} -> {out}")
     return 0
@@ -129,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError, FileNotFoundError) as e:
         print(f"dflash {args.command}: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
+    except OSError as e:  # output not writable: disk full, read-only, permissions (checkpoints say which)
+        where = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+        print(f"dflash {args.command}: error: {where}", file=sys.stderr)
+        return 4
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved[0])

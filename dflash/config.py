@@ -27,14 +27,19 @@ class DraftSettings:
     kind: str = "dflash"  # dflash | domino
     num_layers: int = 1
     block_size: int = 16
-    num_anchors: int = 512  # N: fixed anchors per row (static width)
+    num_anchors: int = 512  # N: anchors per row (the most; static widths)
+    # Allowed anchor widths ceil(N*k/anchor_widths), k = 1..anchor_widths: each training batch takes the
+    # smallest that holds its rows' valid anchors, chosen on the host (1: always N).
+    anchor_widths: int = 4
     target_layer_ids: list[int] | None = None  # default: DESIGN §4 rule, one id per draft layer
     mask_token_id: int | str | None = None  # id or token string; default: tokenizer.mask_token_id
     num_attention_heads: int | None = None  # None: the target's
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
-    loss_decay_gamma: float | None = None  # None: 7 for bs 16, 5 for bs 10, 4 for bs 8
+    # Position decay exp(-(k-1)/gamma) of the block loss: auto (7 for bs 16, 5 for bs 10, 4 for bs 8,
+    # else 0.45*bs), a number, or null (off: every supervised slot weighs 1)
+    loss_decay_gamma: float | str | None = "auto"
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex
 
 
@@ -131,7 +136,10 @@ class TrainConfig:
             (self.draft.block_size >= 2, "draft.block_size must be >= 2 (slot 0 is the anchor)"),
             (self.draft.num_anchors >= 1, "draft.num_anchors must be >= 1"),
             (self.draft.attention in ("auto", "sdpa", "flex"), "draft.attention must be auto, sdpa or flex"),
-            (self.draft.loss_decay_gamma is None or self.draft.loss_decay_gamma > 0, "draft.loss_decay_gamma must be > 0"),
+            (self.draft.loss_decay_gamma in (None, "auto") or (not isinstance(self.draft.loss_decay_gamma, str)
+                                                               and self.draft.loss_decay_gamma > 0),
+             "draft.loss_decay_gamma must be auto, a number > 0 or null (off)"),
+            (self.draft.anchor_widths >= 1, "draft.anchor_widths must be >= 1 (1: always num_anchors)"),
             (self.domino.emb_dim >= 1 and self.domino.gru_hidden_dim >= 1, "domino.emb_dim/gru_hidden_dim must be >= 1"),
             (0 <= self.domino.pure_draft_prefix_len < self.draft.block_size - 1,
              "domino.pure_draft_prefix_len must be in [0, block_size - 1)"),
@@ -197,7 +205,10 @@ class TrainConfig:
         (`dflash.presets`) fills every key neither of them set when the target is "embedded"."""
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        data = yaml.safe_load(Path(path).read_text()) if path else {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) if path else {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
         pairs = list(_flatten(data or {}))
@@ -205,7 +216,10 @@ class TrainConfig:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
             key, raw = item.split("=", 1)
-            pairs.append((key.strip(), yaml.safe_load(raw)))
+            try:
+                pairs.append((key.strip(), yaml.safe_load(raw)))
+            except yaml.YAMLError as e:
+                raise ValueError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
         cfg = cls()
         for key, value in pairs:
             cfg.set(key, value)
@@ -232,6 +246,13 @@ class TrainConfig:
                 obj = getattr(obj, part)
                 if not dataclasses.is_dataclass(obj):
                     raise KeyError(f"config key {'.'.join(parts[: i + 1])!r} has no sub-keys")
+
+
+def _yaml_problem(error: Exception) -> str:
+    """One line for a YAML error: what is wrong and where (PyYAML's own message spans several lines)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(error, 'problem', None) or error}{where}"
 
 
 def _flatten(data: dict[str, Any], prefix: str = ""):

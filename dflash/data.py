@@ -9,12 +9,15 @@ while the current one trains. Rows come from :func:`dflash.tokenization.build_da
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+from dflash.anchors import bounded_width
 
 
 class Collator:
@@ -26,20 +29,22 @@ class Collator:
     ``bucket_multiple = max_length`` gives one fixed shape.
     """
 
-    def __init__(self, pad_token_id: int, bucket_multiple: int = 64, max_length: int | None = None) -> None:
+    def __init__(self, pad_token_id: int, bucket_multiple: int = 64, max_length: int | None = None,
+                 anchor_widths: Sequence[int] | None = None) -> None:
         if bucket_multiple < 1:
             raise ValueError(f"bucket_multiple must be >= 1, got {bucket_multiple}")
         self.pad_token_id = pad_token_id
         self.bucket_multiple = bucket_multiple
         self.max_length = max_length
+        self.anchor_widths = sorted(anchor_widths) if anchor_widths else None
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, settings: Any) -> Collator:
+    def for_tokenizer(cls, tokenizer: Any, settings: Any, anchor_widths: Sequence[int] | None = None) -> Collator:
         """The collator of `settings` (a `DataSettings`), padding with the tokenizer's pad token (else
-        eos, else 0)."""
+        eos, else 0); with `anchor_widths`, each batch also names the anchor width it needs."""
         pad = getattr(tokenizer, "pad_token_id", None)
         pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
-        return cls(pad, settings.bucket_multiple, settings.max_length)
+        return cls(pad, settings.bucket_multiple, settings.max_length, anchor_widths)
 
     @property
     def num_lengths(self) -> int | None:
@@ -50,15 +55,17 @@ class Collator:
     def num_shapes(self) -> int:
         """How many distinct batch shapes this collator produces for one batch size (a bound for the
         per-shape CUDA graphs; 1 when the length is unbounded, where only fixed shapes can be captured)."""
-        return self.num_lengths or 1
+        return (self.num_lengths or 1) * len(self.anchor_widths or [None])
 
     def length(self, longest: int) -> int:
         """Padded length S for a batch whose longest row has ``longest`` tokens."""
         padded = math.ceil(max(longest, 1) / self.bucket_multiple) * self.bucket_multiple
         return min(padded, self.max_length) if self.max_length else padded
 
-    def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, torch.Tensor]:
-        """``{"input_ids": LongTensor[B, S], "loss_mask": BoolTensor[B, S]}``."""
+    def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Any]:
+        """``{"input_ids": LongTensor[B, S], "loss_mask": BoolTensor[B, S]}``, and with ``anchor_widths``
+        ``"num_anchors"``: the smallest allowed width holding every row's valid anchors, read from this
+        CPU copy of the mask before any transfer (a Python int: no device read)."""
         seq = self.length(max(len(r["input_ids"]) for r in rows))
         input_ids = torch.full((len(rows), seq), self.pad_token_id, dtype=torch.long)
         loss_mask = torch.zeros((len(rows), seq), dtype=torch.bool)
@@ -66,7 +73,10 @@ class Collator:
             n = min(len(row["input_ids"]), seq)
             input_ids[b, :n] = torch.as_tensor(row["input_ids"][:n], dtype=torch.long)
             loss_mask[b, :n] = torch.as_tensor(row["loss_mask"][:n]).bool()
-        return {"input_ids": input_ids, "loss_mask": loss_mask}
+        batch: dict[str, Any] = {"input_ids": input_ids, "loss_mask": loss_mask}
+        if self.anchor_widths:
+            batch["num_anchors"] = bounded_width(loss_mask, self.anchor_widths)
+        return batch
 
 
 class ResumableSampler(Sampler[int]):
@@ -135,7 +145,7 @@ def make_dataloader(
 
     Resume at global batch k of an epoch with ``epoch=e, skip_batches=k``. Batches are pinned when
     a GPU exists (so the device copy can be ``non_blocking`` without a hidden sync) and workers
-    persist across epochs.
+    persist across epochs. Workers ignore SIGTERM / SIGINT (:func:`_leave_signals_to_the_main_process`).
     """
     sampler = ResumableSampler(
         len(dataset),
@@ -156,7 +166,17 @@ def make_dataloader(
         persistent_workers=num_workers > 0,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_leave_signals_to_the_main_process if num_workers > 0 else None,
     )
+
+
+def _leave_signals_to_the_main_process(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGTERM and SIGINT. Schedulers signal the whole process group (`scancel`,
+    preemption, `systemctl stop`, Ctrl-C); a worker killed by it would end the run with "DataLoader worker
+    is killed by signal" before the main process could finish its step and save. The main process handles
+    the request (`dflash.stopping.StopRequest`) and shuts its workers down as it exits."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class DevicePrefetcher:
@@ -218,14 +238,16 @@ class DataPosition:
 def device_batches(dataset: Any, rows: int, collator: Collator, device: torch.device, position: DataPosition, *,
                    seed: int, num_workers: int, rank: int = 0, world_size: int = 1) -> Iterator[dict[str, Any]]:
     """Endless device batches of `rows` rows, epoch after epoch, from `position` on (advanced as they are
-    taken). Batches come pinned from DataLoader workers and are copied one ahead (`non_blocking`)."""
-    if len(dataset) < rows:
-        raise ValueError(f"the training set has {len(dataset)} rows, fewer than one step needs ({rows}): "
+    taken). Batches come pinned from DataLoader workers and are copied one ahead (`non_blocking`). One
+    loader serves every epoch (its sampler advances the epoch on each pass), so its persistent workers
+    start once per run."""
+    if len(dataset) // world_size < rows:
+        share = f" ({len(dataset) // world_size} for each of {world_size} processes)" if world_size > 1 else ""
+        raise ValueError(f"the training set has {len(dataset)} rows{share}, fewer than one step needs ({rows}): "
                          "lower batch_size / optim.grad_accum or add data")
+    loader = make_dataloader(dataset, rows, collator, seed=seed, epoch=position.epoch, skip_batches=position.batches,
+                             num_workers=num_workers, rank=rank, world_size=world_size)
     while True:
-        loader = make_dataloader(dataset, rows, collator, seed=seed, epoch=position.epoch,
-                                 skip_batches=position.batches, num_workers=num_workers, rank=rank,
-                                 world_size=world_size)
         for batch in DevicePrefetcher(loader, device):
             position.batches += 1
             yield batch

@@ -216,8 +216,11 @@ class DominoObjective(DFlashObjective):
         anchors, keep, targets = super().plan(input_ids, loss_mask, generator, num_anchors)
         if self.scheduled_sampling == 0 or not self.training:
             return anchors, keep, targets
-        shape = (*anchors.shape, self.block_size - 1)
-        sampled = torch.rand(shape, generator=generator, device=input_ids.device) < self.scheduled_sampling
+        # Drawn at the full width N and cut to this batch's width, so a host-bounded width draws for each
+        # kept slot what the fixed width would.
+        shape = (anchors.shape[0], max(self.num_anchors, anchors.shape[1]), self.block_size - 1)
+        draws = torch.rand(shape, generator=generator, device=input_ids.device)[:, :anchors.shape[1]]
+        sampled = draws < self.scheduled_sampling
         return anchors, keep, DominoTargets(**vars(targets), sampled=sampled)
 
     def gru_tokens(self, input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,

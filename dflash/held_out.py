@@ -21,7 +21,7 @@ from dflash.modeling import allow_compiled_shapes
 from dflash.objective import DFlashObjective
 
 # Flushed sums that describe optimizer updates, not held-out rows.
-_UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips")
+_UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 
 
 @torch.no_grad()
@@ -30,8 +30,9 @@ def held_out_metrics(objective: DFlashObjective, dataset: Any, collator: Collato
     """loss, accuracy, tau, per-position accuracy and `chain_tau` (capped at `max_new_tokens` per reply)
     over `dataset` rows (`input_ids`, `loss_mask`). SYNC POINT: the chain reads accepted lengths."""
     loader = make_dataloader(dataset, batch_size, collator, shuffle=False, num_workers=0, drop_last=False)
-    # Every valid anchor makes each held-out batch its own width: one more compiled shape per batch.
-    allow_compiled_shapes((collator.num_lengths or 0) + len(loader))
+    # Every valid anchor makes each held-out batch its own width: one more compiled shape per batch, on top
+    # of the training shapes the same process compiles.
+    allow_compiled_shapes(collator.num_shapes + len(loader))
     metrics = Metrics(objective.block_size, device, objective.metrics_variant)
     emitted = forwards = 0
     objective.eval()

@@ -100,7 +100,7 @@ class DFlashHFTrainer(Trainer):
             ids = batch["input_ids"].to(device, non_blocking=True)  # already there: a no-op
             mask = batch["loss_mask"].to(device, non_blocking=True)
             plans.append(module.plan(ids, mask))
-        scale = window_loss_scale([t for _, _, t in plans], self.accelerator.num_processes)
+        scale, _ = window_loss_scale([t for _, _, t in plans], self.accelerator.num_processes)
         for batch, (anchors, keep, targets) in zip(batches, plans, strict=True):
             batch["dflash_plan"] = MicroBatchPlan(anchors, keep, targets, scale)
         return batches, None

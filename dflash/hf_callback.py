@@ -19,7 +19,7 @@ from dflash.reporting import Reporter
 EXPORT_DIRNAME = "dflash-draft"  # the published-format draft inside each Trainer checkpoint folder
 # Flushed metrics that the Trainer reports itself (grad_norm, learning_rate) or that it does not
 # produce (it never skips a non-finite step): left out of the callback's logs.
-_NOT_FED = ("grad_norm", "lr", "nonfinite_skips")
+_NOT_FED = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 
 
 class DFlashCallback(TrainerCallback):

@@ -3,7 +3,7 @@
 Same-position layout: slot k >= 1 of the block anchored at a predicts `input_ids[a + k]`; slot 0 (the
 clean anchor token) is never a target. Weight of a slot:
 
-    w = keep * (a + k < S) * loss_mask[a + k] * exp(-(k - 1) / gamma)
+    w = keep * (a + k < S) * loss_mask[a + k] * exp(-(k - 1) / gamma)      (no decay factor when gamma is None)
 
 The loss is `sum(w * CE) / sum(w)` over the whole accumulation window (and, distributed, all ranks):
 the caller passes the denominator as a device tensor. Nothing here reads a device value.
@@ -42,15 +42,29 @@ def block_labels(label_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Te
     return torch.where(valid, labels, 0)
 
 
+# Position decay gamma by block size: the values the design card gives (DESIGN §4).
+_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def decay_gamma(setting: float | str | None, block_size: int) -> float | None:
+    """The position decay's gamma for `draft.loss_decay_gamma`: "auto" -> the design card's value for
+    bs 16 / 10 / 8, else 0.45 * bs (our interpolation: gamma / bs is 0.44-0.5 for the three given
+    values); a number -> itself; None -> None (no decay)."""
+    if setting == "auto":
+        return _DECAY_GAMMA.get(block_size, max(1.0, 0.45 * block_size))
+    return None if setting is None else float(setting)
+
+
 def block_targets(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     anchors: torch.Tensor,
     keep: torch.Tensor,
     block_size: int,
-    gamma: float,
+    gamma: float | None,
 ) -> BlockTargets:
-    """Labels, weights and validity for blocks anchored at `anchors` `[B, N]` in `input_ids` `[B, S]`.
+    """Labels, weights and validity for blocks anchored at `anchors` `[B, N]` in `input_ids` `[B, S]`;
+    `gamma` None: no position decay (weight 1 on every supervised slot).
 
     Weights and validity depend only on positions and `loss_mask`, never on label values, so the
     trainer can form the loss denominator before any forward pass.
@@ -59,19 +73,22 @@ def block_targets(
     slots = torch.arange(block_size, device=input_ids.device)
     supervised = torch.gather(loss_mask.bool(), 1, safe.flatten(1)).view_as(safe)
     valid = keep.unsqueeze(-1) & inside & supervised & (slots > 0)
-    decay = torch.exp(-(slots.float() - 1).clamp(min=0) / gamma)
-    return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=valid.float() * decay, valid=valid)
+    weights = valid.float()
+    if gamma is not None:
+        weights = weights * torch.exp(-(slots.float() - 1).clamp(min=0) / gamma)
+    return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=weights, valid=valid)
 
 
-def window_loss_scale(targets: Sequence[BlockTargets], world_size: int) -> torch.Tensor:
-    """The factor `[]` fp32 each micro-batch's `Σ w·CE` is multiplied by before its backward:
-    `world_size / Σ w`, the weights summed over the accumulation window and (a collective, never read
-    to the host) over every rank. DDP and FSDP2 average gradients over ranks; the `world_size` factor
-    turns that average into the gradient of the global token mean."""
+def window_loss_scale(targets: Sequence[BlockTargets], world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, Σ w), both `[]` fp32. `scale` is the factor each micro-batch's `Σ w·CE` is multiplied by
+    before its backward: `world_size / Σ w`, the weights summed over the accumulation window and (a
+    collective, never read to the host) over every rank. DDP and FSDP2 average gradients over ranks;
+    the `world_size` factor turns that average into the gradient of the global token mean. Σ w is 0
+    for a window with nothing supervised (the trainer skips its update)."""
     denominator = torch.stack([t.weights.sum() for t in targets]).sum()
     if world_size > 1:
         dist.all_reduce(denominator)
-    return world_size / denominator.clamp(min=1e-6)
+    return world_size / denominator.clamp(min=1e-6), denominator
 
 
 def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):

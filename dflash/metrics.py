@@ -22,6 +22,7 @@ def _layout(block_size: int, variant: str) -> dict[str, int]:
         "anchors_total": 1, "rows_total": 1, "rows_skipped": 1,
         "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1, "micro_batches": 1,
         "nonfinite_run": 1,  # longest run of consecutive skipped updates in the window (a max, not a sum)
+        "updates": 1, "empty_windows": 1,  # optimizer updates taken; windows skipped for no supervised weight
     }
     if variant == "domino":  # the base (uncorrected) logits' loss / accuracy / tau, and lambda
         layout.update({"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1, "lambda": 1})
@@ -80,9 +81,10 @@ class Metrics:
             "anchors_kept": ratio(t["blocks"], t["anchors_total"]).item(),
             "rows_skipped": t["rows_skipped"].item(),
             "rows_skipped_frac": ratio(t["rows_skipped"], t["rows_total"]).item(),
-            "grad_norm": ratio(t["grad_norm"], steps).item(),
+            "grad_norm": ratio(t["grad_norm"], t["updates"]).item(),  # over the updates taken, skips left out
             "lr": ratio(t["lr"], steps).item(),
             "nonfinite_skips": t["nonfinite_skips"].item(),
+            "empty_windows": t["empty_windows"].item(),
             "nonfinite_run": t["nonfinite_run"].item(),
             "supervised_tokens": t["scored"].item(),
             "per_position_accuracy": ratio(t["pos_correct"], t["pos_scored"]).tolist(),

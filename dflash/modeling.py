@@ -29,9 +29,6 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
-# Default Gaussian-like position decay gamma of the published recipes, by block size.
-_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     """Published default: one id -> [L // 2]; n ids -> round(1 + j * (L - 4) / (n - 1))."""
@@ -42,11 +39,6 @@ def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     if num_target_layers < 5:  # tiny targets: spread over 0..L-2 (layer L-1's HF hidden state is post-norm)
         return [round(j * max(0, num_target_layers - 2) / (num_ids - 1)) for j in range(num_ids)]
     return [round(1 + j * (num_target_layers - 4) / (num_ids - 1)) for j in range(num_ids)]
-
-
-def default_decay_gamma(block_size: int) -> float:
-    """gamma of the loss weight exp(-(k-1)/gamma): 7 for bs 16, 5 for bs 10, 4 for bs 8, else 0.45*bs."""
-    return _DECAY_GAMMA.get(block_size, max(1.0, 0.45 * block_size))
 
 
 @dataclass

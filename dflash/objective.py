@@ -15,9 +15,16 @@ from torch import nn
 
 from dflash.anchors import sample_anchors
 from dflash.attention import dense_dflash_mask, flex_dflash_mask
-from dflash.losses import BlockTargets, accepted_prefix_length, block_labels, block_targets, linear_cross_entropy
+from dflash.losses import (
+    BlockTargets,
+    accepted_prefix_length,
+    block_labels,
+    block_targets,
+    decay_gamma,
+    linear_cross_entropy,
+)
 from dflash.metrics import Metrics
-from dflash.modeling import DFlashDraftModel, default_decay_gamma
+from dflash.modeling import DFlashDraftModel
 from dflash.target import FrozenTarget
 
 
@@ -38,15 +45,16 @@ class DFlashObjective(nn.Module):
     Args:
         target: the frozen target (features, embedding, LM head).
         draft: the trainable draft; its config fixes block size and mask token.
-        num_anchors: N, anchors per row (fixed width).
+        num_anchors: N, anchors per row (the widest plan; `plan` may take a narrower host-chosen width).
         attention: "sdpa" (dense boolean mask) or "flex" (BlockMask; GPU).
         dtype: compute dtype; below fp32 the forward runs under autocast, the draft stays fp32.
+        gamma: the loss's position decay ("auto", a number, or None: off; `losses.decay_gamma`).
     """
 
     metrics_variant = "dflash"  # which Metrics layout this objective fills (Domino adds base metrics)
 
     def __init__(self, target: FrozenTarget, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
-                 dtype: torch.dtype = torch.float32, gamma: float | None = None, ce_chunk_size: int = 4096,
+                 dtype: torch.dtype = torch.float32, gamma: float | str | None = "auto", ce_chunk_size: int = 4096,
                  labels: str = "data") -> None:
         super().__init__()
         if target.hidden_size != draft.config.hidden_size:
@@ -59,7 +67,7 @@ class DFlashObjective(nn.Module):
         self.num_anchors = num_anchors
         self.attention = attention
         self.dtype = dtype
-        self.gamma = gamma or default_decay_gamma(self.block_size)
+        self.gamma = decay_gamma(gamma, self.block_size)
         self.ce_chunk_size = ce_chunk_size
         self.labels = labels
         self.compile_loss = False  # torch.compile each CE chunk (the trainer sets it under `compile: true`)

@@ -11,7 +11,7 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.embedded import embedded_target_dir
 from dflash.factory import draft_config_for, draft_model_for_config
-from dflash.modeling import default_decay_gamma
+from dflash.losses import decay_gamma
 from dflash.runtime import resolve_device, resolve_dtype
 
 
@@ -47,7 +47,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "draft_layers": draft_cfg.num_hidden_layers,
         "draft_parameters": params,
         "block_size": draft_cfg.block_size,
-        "loss_decay_gamma": ds.loss_decay_gamma or default_decay_gamma(draft_cfg.block_size),
+        "loss_decay_gamma": decay_gamma(ds.loss_decay_gamma, draft_cfg.block_size),
         "anchors_per_row": ds.num_anchors,
         "rows_per_step": rows,
         "max_tokens_per_step": rows * config.data.max_length,

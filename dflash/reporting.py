@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +17,72 @@ log = logging.getLogger("dflash")
 def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}/{max_steps}"]
     for key, fmt in (("loss", ".4f"), ("accuracy", ".3f"), ("tau", ".3f"), ("lr", ".2e"), ("grad_norm", ".3f"),
-                     ("tokens_per_s", ".0f"), ("eval_tau", ".3f"), ("eval_chain_tau", ".3f"), ("eval_accuracy", ".3f")):
-        if key in metrics:
-            parts.append(f"{key} {metrics[key]:{fmt}}")
+                     ("tokens_per_s", ".0f"), ("eval_tau", ".3f"), ("eval_chain_tau", ".3f"), ("eval_accuracy", ".3f"),
+                     ("nonfinite_skips", ".0f")):
+        if key in metrics and (key != "nonfinite_skips" or metrics[key]):
+            parts.append(f"{key} {metrics[key]:{fmt}}" if metrics[key] is not None else f"{key} n/a")
     return " | ".join(parts)
+
+
+def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int) -> dict[str, Any]:
+    """A flushed window as it is logged: throughput added, and the loss None when no update of the window
+    was finite (skipped and empty steps add no supervised weight; 0.0 would read as a perfect draft)."""
+    out = {**flushed, "tokens_per_s": tokens / elapsed, "supervised_tokens_per_s": flushed["supervised_tokens"] / elapsed}
+    if out.get("loss") == 0.0 and (out.get("nonfinite_skips") or out.get("empty_windows")):
+        out.update({k: None for k in ("loss", "base_loss") if k in out})
+    return out
+
+
+def progress_postfix(metrics: dict[str, Any]) -> str:
+    """The progress bar's summary of a window."""
+    loss = metrics.get("loss")
+    return f"loss={'n/a' if loss is None else f'{loss:.3f}'}, tau={metrics['tau']:.2f}, tok_s={metrics['tokens_per_s']:.0f}"
+
+
+def truncate_history(path: str | Path, step: int, size: int | None = None) -> int:
+    """Drop what a run logged after its checkpoint at `step`, which a resumed run logs again: the bytes past
+    `size` (the file's length when that checkpoint was saved), else the lines of later steps and a
+    half-written last line. Returns the number of lines dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    if size is not None and size <= len(data):
+        keep = data[:size]
+    else:
+        def kept(line: bytes) -> bool:
+            try:
+                return json.loads(line)["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                return False
+
+        keep = b"".join(line for line in data.splitlines(keepends=True) if line.endswith(b"\n") and kept(line))
+    if keep == data:
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(keep)
+    os.replace(tmp, path)
+    return data.count(b"\n") + (not data.endswith(b"\n")) - keep.count(b"\n")
 
 
 class Reporter:
     """Fans one metrics dict out to every configured sink (`report_to`: wandb, tensorboard)."""
 
     def __init__(self, run_dir: str | Path, report_to: list[str], config: dict[str, Any], *,
-                 enabled: bool = True, console: bool = True) -> None:
+                 enabled: bool = True, console: bool = True, resumed: dict[str, Any] | None = None) -> None:
+        """`resumed` (`dflash.state.resume_record`, or `{"step": 0}` for a fresh start): metrics.jsonl loses
+        what an earlier launch logged after that step, so no step is logged twice."""
         self.enabled, self.console = enabled, console
         self.jsonl = Path(run_dir) / "metrics.jsonl"
         self._wandb = self._tb = None
         if not enabled:
             return
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+        if resumed is not None:
+            dropped = truncate_history(self.jsonl, resumed["step"], resumed.get("metrics_bytes"))
+            if dropped:
+                log.info("%s: dropped %d line(s) an earlier launch logged after step %d (this run logs those steps "
+                         "again)", self.jsonl, dropped, resumed["step"])
         unknown = set(report_to) - {"wandb", "tensorboard"}
         if unknown:
             raise ValueError(f"report_to: unknown sink(s) {sorted(unknown)}; choose from wandb, tensorboard")
@@ -71,7 +121,29 @@ class Reporter:
             self._tb.close()
 
 
-def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's metrics.jsonl as a list of dicts (for plots and tests)."""
+def history_size(run_dir: str | Path) -> int:
+    """metrics.jsonl's length in bytes (saved with each checkpoint for `truncate_history`)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return path.stat().st_size if path.is_file() else 0
+
+
+def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl as a list of dicts (for plots and tests). A half-written last line (a run
+    killed while writing it) is left out with a warning; a damaged line elsewhere is a ValueError naming
+    the file and line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not a JSON line ({e})") from None
+            log.warning("%s: left out its half-written last line %d (the run was stopped while writing it)",
+                        path, number)
+    return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,12 +22,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the config's 
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto": this process's GPU (cuda:LOCAL_RANK under a launcher) when there is one, else the CPU."""
+    """"auto": this process's GPU (cuda:LOCAL_RANK under a launcher) when there is one, else the CPU. A
+    named CUDA device that this machine lacks is a ValueError saying so (not an assertion deep in torch)."""
     if name == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device={name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device visible"
+            raise ValueError(f"device={name}, but this machine has no usable GPU ({build}); use device=cpu or "
+                             "device=auto")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device={name}, but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -40,7 +54,15 @@ def load_target(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """(model, tokenizer) for "embedded" or any HF model id / local path."""
     if name == "embedded":
         return load_embedded_target(dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
+    path = Path(name).expanduser()
+    if not path.is_dir() and (path.exists() or path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
+        raise FileNotFoundError(f"target={name}: no such model folder")  # a path, not a hub id
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
+    except OSError as e:  # transformers' answer to a missing folder or an unreachable hub id: keep its first line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "the model folder" if path.is_dir() else "not a local folder, and the hub"
+        raise FileNotFoundError(f"target={name} could not be loaded ({where}: {reason})") from None
 
 
 def init_distributed() -> tuple[int, int]:

@@ -12,8 +12,12 @@ On load each rank passes the full state it read and keeps its own shard (no comm
 from __future__ import annotations
 
 import copy
+import hashlib
+import logging
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -29,25 +33,93 @@ from dflash.modeling import DFlashDraftConfig
 
 _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _LOAD = StateDictOptions(full_state_dict=True)
+log = logging.getLogger("dflash")
 
-# Settings that define what a run computes; resuming with any of them changed is refused.
+# The resume guard (docs/design.md, "Checkpoints and faults"). Settings that define what a run computes
+# (the model, the data and its order, the batch geometry, the seed): resuming with any of them changed is
+# refused, and so is training data whose content differs (`data_fingerprint`). Every other difference is
+# accepted and logged key by key: the schedule and optimizer values (optim.lr, warmup_ratio, min_lr_ratio,
+# max_grad_norm, weight decay, betas; max_steps, which rescales the cosine from the resumed step on) are
+# what one changes on purpose to extend a run or calm a diverging one, and the rest (intervals, budgets,
+# reporting, compile, distributed mode) does not change what a step computes.
 RUN_DEFINING = ("target", "draft.", "domino.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
                 "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
                 "data.bucket_multiple", "data.labels", "data.regenerate")
+NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any], defining: bool) -> list[str]:
+    a, b = _flat(saved), _flat(current)
+    keys = sorted(k for k in set(a) | set(b) if k not in NOT_COMPARED
+                  and (k.startswith(RUN_DEFINING) or k in RUN_DEFINING) == defining)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Run-defining settings that differ between a checkpoint's config and the current one,
     as `"key: saved -> current"` lines."""
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
+    return _differences(saved, current, defining=True)
 
-    a, b = flat(saved), flat(current)
-    keys = sorted(k for k in set(a) | set(b) if k.startswith(RUN_DEFINING) or k in RUN_DEFINING)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+def accepted_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The other settings that differ (accepted on resume, and logged), as `"key: saved -> current"` lines."""
+    return _differences(saved, current, defining=False)
+
+
+def check_resume_config(path: Any, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a resume whose run-defining settings differ (listing them); log every accepted change."""
+    refused = config_differences(saved, current)
+    if refused:
+        raise ValueError(f"checkpoint {path} was written with a different configuration; resuming would not "
+                         "continue the same run. Differences (checkpoint -> now):\n  " + "\n  ".join(refused))
+    for change in accepted_changes(saved, current):
+        log.info("resume: %s (accepted: it does not change what the run trains on)", change)
+
+
+def data_fingerprint(dataset: Any, max_rows: int = 20_000) -> str:
+    """A hash of the training rows' content (`input_ids`, `loss_mask`) and their count: every row up to
+    `max_rows`, beyond that an evenly spaced sample of `max_rows` rows."""
+    n = len(dataset)
+    h = hashlib.sha256(str(n).encode())
+    for i in range(0, n, max(1, -(-n // max_rows))):
+        row = dataset[i]
+        for key in ("input_ids", "loss_mask"):
+            h.update(np.asarray(row[key], dtype=np.int64).tobytes() + b"|")
+    return h.hexdigest()[:16]
+
+
+def resume_record(path: Any, state: dict[str, Any], run_dir: Any) -> dict[str, Any]:
+    """What `fit` checks after a resume: the step, the data fingerprint saved with it, and the length
+    metrics.jsonl had at that save (only when the checkpoint belongs to this run folder)."""
+    own = Path(path).resolve().parent.parent == Path(run_dir).resolve()
+    return {"path": str(path), "step": int(state["step"]), "data_fingerprint": state.get("data_fingerprint"),
+            "metrics_bytes": state.get("metrics_bytes") if own else None}
+
+
+def check_training_data(corpus: Any, config: Any, resumed: dict[str, Any] | None) -> str:
+    """The training rows' fingerprint (`corpus`: `dflash.corpus.Corpus`), after refusing a held-out split
+    that leaves too few rows for one step (naming data.eval_size) and a resume on rows whose content
+    differs from the checkpoint's."""
+    dataset, held_out = corpus.train, corpus.description.get("held_out_conversations", 0)
+    rows = config.batch_size * config.optim.grad_accum
+    if held_out and len(dataset) < rows:
+        raise ValueError(f"data.eval_size={config.data.eval_size} holds out {held_out} conversations and leaves "
+                         f"{len(dataset)} training rows, fewer than one step needs ({rows}): lower data.eval_size "
+                         "or add data")
+    fingerprint = data_fingerprint(dataset)
+    saved = (resumed or {}).get("data_fingerprint")
+    if saved and saved != fingerprint:
+        raise ValueError(f"the training data differs from what checkpoint {resumed['path']} was trained on "
+                         f"(content fingerprint {saved} -> {fingerprint}); resuming would not continue the same "
+                         "run. Restore that data, or start a new run (init_from=an export warm-starts it)")
+    return fingerprint
 
 
 def full_draft_state(draft: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,39 +20,41 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from tqdm.auto import tqdm
 
-from dflash.anchors import anchor_seed
+from dflash.anchors import anchor_seed, anchor_widths
 from dflash.anchors import reseed as reseed_anchors
-from dflash.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint
+from dflash.checkpoint import checkpoint_path, load_checkpoint, prepare_run_dir, resolve_resume, save_checkpoint, write_run_config
 from dflash.config import TrainConfig
 from dflash.corpus import training_data
 from dflash.data import Collator, DataPosition, device_batches
 from dflash.evaluate import format_report, speculative_report
 from dflash.export import export_draft, load_exported
 from dflash.factory import build_objective
-from dflash.graphs import StepGraphs, cuda_graph_capture, warm_up_and_restore
+from dflash.graphs import Capture, StepGraphs, cuda_graph_capture, warm_up_and_restore
 from dflash.held_out import held_out_metrics, output_rows
 from dflash.losses import window_loss_scale
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel, allow_compiled_shapes
 from dflash.objective import DFlashObjective
+from dflash.optim import build_optimizer, lr_at
 from dflash.parallel import DataParallelDraft
-from dflash.reporting import Reporter
+from dflash.reporting import Reporter, history_size, progress_postfix, window_metrics
 from dflash.runtime import DTYPES, init_distributed, load_target, resolve_device, resolve_dtype
 from dflash.state import (
+    check_resume_config,
+    check_training_data,
     check_world_size,
-    config_differences,
     full_draft_state,
     full_optimizer_state,
     load_draft_state,
     load_optimizer_state,
     rebuild_draft,
     restore_rng,
+    resume_record,
     rng_state,
 )
-from dflash.stopping import NonFiniteError, StopRequest
+from dflash.stopping import NonFiniteError, NonFiniteWatch, StopRequest
 from dflash.tokenization import check_token_absent
 
 Batch = dict[str, torch.Tensor]
@@ -123,17 +124,8 @@ class DFlashTrainer:
         self.step = 0  # host mirror, advanced without reading the device
         self.step_t = torch.zeros((), dtype=torch.float32, device=self.device)
         self.lr = torch.full((), config.optim.lr, dtype=torch.float32, device=self.device)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.draft.parameters() if p.requires_grad],
-            lr=self.lr,
-            betas=(config.optim.beta1, config.optim.beta2),
-            eps=config.optim.eps,
-            weight_decay=config.optim.weight_decay,
-            # Reads lr and step from device tensors: no host read. Under FSDP2 the parameters are DTensors;
-            # fused AdamW runs on their local shards (lr and found_inf stay plain tensors).
-            fused=True,
-            capturable=config.cuda_graph,  # the step counter stays on the device, so a graph can replay it
-        )
+        self.optimizer = build_optimizer((p for p in self.draft.parameters() if p.requires_grad), config.optim,
+                                         self.lr, capturable=config.cuda_graph)
         self.lr.copy_(self._lr_at(self.step_t))
         if hasattr(self.objective, "bind_schedule"):  # Domino's lambda follows the device step counter
             self.objective.bind_schedule(self.step_t, config.max_steps)
@@ -148,20 +140,10 @@ class DFlashTrainer:
         self.anchor_generator = torch.Generator(device=self.device)
         self.anchor_generator.manual_seed(anchor_seed(config.seed, rank, 0))
         self.graphs: StepGraphs | None = None  # the captured steps, one per batch shape (cuda_graph: true)
-
-    # ---- schedule ---------------------------------------------------------------------------
+        self.graph_capture: Capture | None = None  # None: torch.cuda graphs (tests pass a stand-in)
 
     def _lr_at(self, step: torch.Tensor) -> torch.Tensor:
-        """Linear warmup then cosine to `min_lr_ratio`, computed on the device from a step tensor."""
-        o = self.config.optim
-        total = self.config.max_steps
-        warmup = max(1, round(o.warmup_ratio * total)) if o.warmup_ratio > 0 else 0
-        if warmup:
-            warm = (step + 1) / warmup
-        progress = ((step - warmup) / max(1, total - warmup)).clamp(0.0, 1.0)
-        cosine = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + torch.cos(math.pi * progress))
-        factor = torch.where(step < warmup, warm, cosine) if warmup else cosine
-        return o.lr * factor
+        return lr_at(step, self.config.optim, self.config.max_steps)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -172,7 +154,8 @@ class DFlashTrainer:
         if batch["input_ids"].shape[0] % n:
             raise ValueError(f"batch of {batch['input_ids'].shape[0]} rows does not split into grad_accum={n}")
         ids, mask = batch["input_ids"].chunk(n), batch["loss_mask"].chunk(n)
-        return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, mask, strict=True)]
+        width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}  # the collator's, host int
+        return [{"input_ids": i, "loss_mask": m, **width} for i, m in zip(ids, mask, strict=True)]
 
     def train_step(self, batch: Batch | list[Batch]) -> None:
         """One optimizer step over `grad_accum` micro-batches. Makes no host-device sync.
@@ -197,8 +180,8 @@ class DFlashTrainer:
         for i, mb in enumerate(micro):
             generator = (reseed_anchors(self.anchor_generator, self.config.seed, self.rank, self.step * len(micro) + i)
                          if reseed else self.anchor_generator)
-            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator))
-        scale = window_loss_scale([t for _, _, t in plans], self.world_size)
+            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator, mb.get("num_anchors")))
+        scale, total_weight = window_loss_scale([t for _, _, t in plans], self.world_size)
 
         # 2) Forward/backward per micro-batch; the loss of each is its share of the global mean.
         m = self.metrics
@@ -215,19 +198,25 @@ class DFlashTrainer:
         if self.fsdp:  # a DTensor (the norm over all shards, replicated): its local tensor, no host read
             grad_norm = grad_norm.full_tensor()
         grad_norm = grad_norm.float()  # fused AdamW reads grad_scale and found_inf as fp32
-        # Non-finite guard, on the device: fused AdamW skips the whole update (weights, moments and
-        # its step count untouched) when `found_inf` is 1 -- the mechanism GradScaler uses.
-        skipped = (~torch.isfinite(grad_norm)).float()
+        # Skips, on the device: fused AdamW leaves weights, moments and its own step count untouched when
+        # `found_inf` is 1 (GradScaler's mechanism): a non-finite update, or a window with nothing supervised
+        # (its zero gradients would still move the weights through the moments and the weight decay).
+        nonfinite = (~torch.isfinite(grad_norm)).float()
+        empty = (total_weight == 0).float()
+        skipped = torch.maximum(nonfinite, empty)
         self.optimizer.found_inf = skipped
         # Clipping folded into the update: fused AdamW divides every gradient by `grad_scale` inside its
         # kernel. The same factor as clip_grad_norm_ (max_norm / (norm + 1e-6), capped at 1), without
         # that function's separate read-and-write pass over every gradient.
         self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.config.optim.max_grad_norm).clamp(min=1.0)
-        self.nonfinite_run.mul_(skipped).add_(skipped)  # consecutive skips, reset by a finite step
+        # Consecutive non-finite skips: reset by an update, left as it was by an empty window.
+        self.nonfinite_run.copy_(torch.where(empty > 0, self.nonfinite_run, self.nonfinite_run * nonfinite + nonfinite))
         if self._adds_replicated_metrics:  # identical on every rank; flush() sums over ranks: count them once
-            m.add("nonfinite_skips", skipped)
+            m.add("nonfinite_skips", nonfinite)
+            m.add("empty_windows", empty * (1 - nonfinite))
             m.max_("nonfinite_run", self.nonfinite_run)
             m.add("grad_norm", torch.where(skipped > 0, 0.0, grad_norm))
+            m.add("updates", 1 - skipped)
             m.add("lr", self.lr)
             m.add("steps", 1.0)
         self.optimizer.step()
@@ -245,7 +234,7 @@ class DFlashTrainer:
                                     generator=self.anchor_generator, device=self.device)
 
             self.graphs = StepGraphs(lambda micro: self._step(micro, reseed=False), warm_up,
-                                     capture=cuda_graph_capture(self.anchor_generator),
+                                     capture=self.graph_capture or cuda_graph_capture(self.anchor_generator),
                                      max_graphs=self._collator().num_shapes)
         return self.graphs
 
@@ -298,24 +287,28 @@ class DFlashTrainer:
     def save(self) -> Path:
         """SYNC POINT: an atomic checkpoint of the current step under `output_dir/checkpoints`."""
         # Consolidated state (under FSDP2 gathered from every rank to rank 0); one writer, and the others
-        # wait so nobody reads a half save.
+        # wait so nobody reads a half save. The data's fingerprint and metrics.jsonl's length let a resume
+        # refuse other data and drop the lines logged after this save.
         draft_state, state = self.draft_state_dict(), self.state_dict()
+        state.update(data_fingerprint=getattr(self, "data_fingerprint", None),
+                     metrics_bytes=history_size(self.config.output_dir))
         if self.rank == 0:
             path = save_checkpoint(self.config.output_dir, self.step, draft_state,
                                    self.draft_config.to_dict(), state, keep_last=self.config.keep_last)
             log.info("saved checkpoint %s", path)
         if self.world_size > 1:
             dist.barrier()
+        self._saved_step = self.step
         return checkpoint_path(self.config.output_dir, self.step)
 
     def resume(self, path: str | Path) -> None:
-        draft_state, _, state = load_checkpoint(path, self.device)
-        differences = config_differences(state.get("config", {}), self.config.to_dict())
-        if differences:
-            raise ValueError(f"checkpoint {path} was written with a different configuration; resuming would not "
-                             "continue the same run. Differences (checkpoint -> now):\n  " + "\n  ".join(differences))
+        """Continue from checkpoint `path`; refused when a run-defining setting differs, every accepted change
+        logged (`dflash.state`). `fit` then checks the training data against the fingerprint saved with it."""
+        draft_state, _, state = load_checkpoint(path, self.device)  # weights_only: no code runs
+        check_resume_config(path, state.get("config", {}), self.config.to_dict())
         load_draft_state(self.draft, draft_state)
         self.load_state_dict(state)
+        self.resumed, self._saved_step = resume_record(path, state, self.config.output_dir), self.step
         log.info("resumed from %s at step %d", path, self.step)
 
     # ---- the run ----------------------------------------------------------------------------
@@ -323,8 +316,9 @@ class DFlashTrainer:
     def _collator(self) -> Collator:
         """Bucketed right padding for `config.data`; compiled functions may keep a graph for each of
         its padded lengths (`allow_compiled_shapes`)."""
-        collator = Collator.for_tokenizer(self.tokenizer, self.config.data)
-        allow_compiled_shapes(collator.num_lengths or 0)
+        widths = anchor_widths(self.config.draft.num_anchors, self.config.draft.anchor_widths)
+        collator = Collator.for_tokenizer(self.tokenizer, self.config.data, widths)
+        allow_compiled_shapes(collator.num_shapes)
         return collator
 
     def _device_batches(self, dataset: Any) -> Iterator[Batch]:
@@ -337,73 +331,77 @@ class DFlashTrainer:
     def fit(self) -> dict[str, Any]:
         """Train to `max_steps`: log at `log_interval`, evaluate at `eval_interval`, save at `save_interval`.
 
-        Returns a summary (final train metrics, held-out metrics, paths). Syncs happen only at the
-        log flush, evaluation and checkpoints.
+        Returns a summary (final train metrics, held-out metrics, paths; `interrupted` and `signal` when
+        SIGTERM / SIGINT stopped it, the step saved). Syncs happen only at the log flush, evaluation and
+        checkpoints. A damaged newest checkpoint is passed over, and what interrupted saves left is removed.
         """
         cfg = self.config
         run_dir = Path(cfg.output_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        resume = resolve_resume(cfg.resume_from, run_dir)
+        prepare_run_dir(run_dir)  # writable? and what interrupted saves / deletions left (logged)
+        resume = resolve_resume(cfg.resume_from, run_dir)  # `latest`: the newest intact checkpoint
         if resume is not None:
             self.resume(resume)
         corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target, rank=self.rank,
                                world_size=self.world_size)
         train_ds, eval_ds, self.held_out_conversations = corpus.train, corpus.eval, corpus.held_out_conversations
         check_token_absent(train_ds, self.draft_config.mask_token_id, self.tokenizer)
-        reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0)
+        resumed = getattr(self, "resumed", None)
+        self.data_fingerprint = check_training_data(corpus, cfg, resumed)  # refuses a resume on other data
+        write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
+        reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0,
+                            resumed=resumed or {"step": self.step})  # drops lines logged past this step
         self.history: list[dict[str, Any]] = []
         batches = self._device_batches(train_ds)
         progress = tqdm(total=cfg.max_steps, initial=self.step, disable=not cfg.progress_bar or self.rank != 0,
                         desc="dflash train", dynamic_ncols=True)
         window_start, window_tokens, last, last_flush_step = time.perf_counter(), 0, {}, self.step
-        deadline = time.monotonic() + 60 * cfg.time_budget_minutes if cfg.time_budget_minutes else math.inf
-        stop = StopRequest()  # SIGTERM / SIGINT: finish the current step, save, exit cleanly
-        while self.step < cfg.max_steps and not stop.requested:
-            if time.monotonic() > deadline:  # a host clock: checking it costs no sync
-                log.info("time budget of %s minutes reached at step %d", cfg.time_budget_minutes, self.step)
-                break
-            batch = next(batches)
-            window_tokens += batch["input_ids"].numel()  # a host-known shape, not a device read
-            self.train_step(batch)
-            progress.update(1)
-            if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
-                last, last_flush_step = self.metrics.flush(), self.step  # SYNC POINT: the log interval
-                elapsed = time.perf_counter() - window_start
-                last["tokens_per_s"] = window_tokens / elapsed
-                last["supervised_tokens_per_s"] = last["supervised_tokens"] / elapsed
+        stop = StopRequest(cfg.time_budget_minutes, self.world_size, self.device)  # signals, time budget
+        watch = NonFiniteWatch(self.nonfinite_run, cfg.max_nonfinite_skips, every_step=self.world_size == 1)
+        try:
+            # next_batch is None when the DataLoader workers ended with a stop request
+            while (self.step < cfg.max_steps and not stop.due(self.step, at_flush=last_flush_step == self.step)
+                   and (batch := stop.next_batch(batches)) is not None):
+                window_tokens += batch["input_ids"].numel()  # a host-known shape, not a device read
+                self.train_step(batch)
+                progress.update(1)
+                watch.poll()  # one process: the device's consecutive-skip count, read as it lands (no wait)
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps or watch.tripped:
+                    last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens)
+                    last_flush_step = self.step  # SYNC POINT above: the log interval
+                    self._record(reporter, last)
+                    progress.set_postfix_str(progress_postfix(last))
+                    watch.see(last["nonfinite_run"])
+                    window_start, window_tokens = time.perf_counter(), 0
+                if watch.tripped:  # skipped updates left the weights at the last finite state: saved below
+                    break
+                if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
+                    self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
+                if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
+                        and self.held_out_conversations):
+                    draft = self.consolidated_draft()  # FSDP2: a gather every rank takes part in
+                    if self.rank == 0:
+                        spec = self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts,
+                                                     draft=draft)
+                        self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
+                                                "spec_per_position_acceptance": spec["per_position_acceptance"]})
+                if cfg.save_interval and self.step % cfg.save_interval == 0:
+                    self.save()
+            if self.step != last_flush_step and not stop.requested:  # the time budget ended a window early
+                last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens)
                 self._record(reporter, last)
-                progress.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
-                                     tok_s=f"{last['tokens_per_s']:.0f}")
-                if last["nonfinite_run"] >= cfg.max_nonfinite_skips:
-                    path = self.save()  # skipped updates left the weights at the last finite state
-                    stop.restore()
-                    raise NonFiniteError(int(last["nonfinite_run"]), cfg.max_nonfinite_skips, self.step, path)
-                window_start, window_tokens = time.perf_counter(), 0
-            if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
-            if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
-                    and self.held_out_conversations):
-                draft = self.consolidated_draft()  # FSDP2: a gather every rank takes part in
-                if self.rank == 0:
-                    spec = self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts,
-                                                 draft=draft)
-                    self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
-                                            "spec_per_position_acceptance": spec["per_position_acceptance"]})
-            if cfg.save_interval and self.step % cfg.save_interval == 0:
-                self.save()
-        progress.close()
-        stop.restore()
-        checkpoint = self.save()
+            # The last step is saved once: not again when it was just saved, or resumed with no step left.
+            saved = getattr(self, "_saved_step", None) == self.step
+            checkpoint = checkpoint_path(run_dir, self.step) if saved else self.save()
+        finally:
+            progress.close()
+            stop.restore()
         summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
-        if stop.requested:  # interrupted: the checkpoint is what matters; skip the end-of-run work
-            log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
+        if watch.tripped or stop.requested:  # the checkpoint is what matters; skip the end-of-run work
             reporter.close()
-            return {**summary, "interrupted": True}
-        if self.step != last_flush_step:  # the time budget ended a window early: report it
-            last = self.metrics.flush()
-            self._record(reporter, last)
-            summary["train"] = last
+            if watch.tripped:
+                raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
+            log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
+            return {**summary, "interrupted": True, "signal": stop.signal}
         if eval_ds is not None:
             held_out = self.evaluate(eval_ds)
             self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})

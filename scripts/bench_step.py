@@ -6,7 +6,13 @@ Configurations (all on random data):
              batch 2, sequence 768, 256 anchors, block 16, bf16 parameters.
   smollm2    the embedded default's shapes with a real (randomly initialised) SmolLM2-135M-shaped
              Llama target forward: 2-layer draft, block 16, 64 anchors, batch 32, sequence 512.
-  tiny       a CPU smoke configuration (CI).
+  qwen3-8b   end to end: the specforge draft against a random-weight Qwen3-8B-shaped target (from its
+             config, no download) whose forward runs every step (target_layer_ids [1, 9, 17, 25, 33]);
+             `--kind domino` for a Domino draft. MFU counts the target's forward too; samples/s
+             is per GPU, with and without the target. `--sync-check` runs extra steps under
+             torch.cuda.set_sync_debug_mode("error").
+  tiny       a CPU smoke configuration (CI); `--kind` and `--sync-check` work on it too (a real tiny
+             target when `--real-target`).
 
 MFU is reported against the bf16 matmul peak measured in the same run (an 8192^3 product), two ways:
   specforge  3 x forward FLOPs with dense attention and the LM head over every slot (their counting)
@@ -44,10 +50,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
+from dflash.diagnostics import forbid_syncs  # noqa: E402
+from dflash.factory import build_objective  # noqa: E402
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel  # noqa: E402
 from dflash.objective import DFlashObjective  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
@@ -75,6 +84,7 @@ SHAPES = {
     "specforge": Shape(4096, 5, 12288, 32, 8, 128, 151_936, 5, 36, 2, 768, 256, 16),
     "smollm2": Shape(576, 2, 1536, 9, 3, 64, 49_152, 2, 30, 32, 512, 64, 16),
     "tiny": Shape(64, 2, 128, 4, 2, 16, 512, 2, 4, 2, 64, 8, 4),
+    "qwen3-8b": Shape(4096, 5, 12288, 32, 8, 128, 151_936, 5, 36, 2, 768, 256, 16),
 }
 
 
@@ -107,6 +117,43 @@ def smollm2_target(device: torch.device, dtype: torch.dtype):
     return FrozenTarget(LlamaForCausalLM(cfg), [1, 27]).to(device, dtype)
 
 
+def hf_target(s: Shape, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """A random-weight Qwen3 target of the shape `s` (initialised on `device` in `dtype`: no host copy)."""
+    cfg = Qwen3Config(hidden_size=s.hidden, intermediate_size=s.ffn, num_hidden_layers=s.num_target_layers,
+                      num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                      vocab_size=s.vocab, max_position_embeddings=40_960, rope_theta=1_000_000.0,
+                      tie_word_embeddings=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def build_end_to_end(s: Shape, cfg: TrainConfig, args: argparse.Namespace, device: torch.device,
+                     dtype: torch.dtype) -> DFlashTrainer:
+    """The draft (`--kind`) through the trainer's own factory, against a real target forward."""
+    cfg.draft.kind, cfg.draft.num_layers, cfg.draft.mask_token_id = args.kind, s.layers, s.vocab - 2
+    cfg.draft.num_attention_heads, cfg.draft.num_key_value_heads, cfg.draft.head_dim = s.heads, s.kv_heads, s.head_dim
+    cfg.draft.intermediate_size, cfg.draft.anchor_widths = s.ffn, 1
+    objective = build_objective(cfg, hf_target(s, device, dtype), None, device=device, dtype=dtype)
+    if args.param_dtype == "bfloat16":
+        objective.draft.to(torch.bfloat16)
+    return DFlashTrainer(cfg, objective=objective)
+
+
+def target_forward_flops(trainer: DFlashTrainer, s: Shape) -> float:
+    """Forward FLOPs of the target's truncated trunk for one batch: 2 x parameters x tokens, plus causal
+    attention scores and values."""
+    layers = trainer.objective.target._trunk.layers  # the layers that run: up to the last feature layer
+    params = sum(p.numel() for p in layers.parameters())
+    attention = 2 * 2 * s.heads * s.head_dim * s.seq * s.seq / 2 * len(layers)
+    return s.batch * (2 * params * s.seq + attention)
+
+
 def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -> DFlashTrainer:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
@@ -114,6 +161,8 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
                       cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed)
     cfg.draft.num_anchors, cfg.draft.block_size = s.anchors, s.block
     cfg.draft.attention = args.attention
+    if name == "qwen3-8b" or args.real_target:
+        return build_end_to_end(s, cfg, args, device, dtype)
     if name == "smollm2":
         target = smollm2_target(device, dtype)
         layer_ids = target.layer_ids
@@ -175,6 +224,28 @@ def matmul_peak(device: torch.device) -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def count_syncs(trainer: DFlashTrainer, batch: dict, device: torch.device, steps: int) -> int:
+    """Host-device syncs in `steps` steps: on a GPU the CUDA sync debug mode raises at the first one
+    (so the count is 0 or 1); on the CPU the dispatch detector counts every one."""
+    dev = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(steps):
+                trainer.train_step(dev)
+        except RuntimeError as e:
+            print(f"sync: {e}", file=sys.stderr)
+            return 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return 0
+    with forbid_syncs(raise_on_first=False) as report:
+        for _ in range(steps):
+            trainer.train_step(dev)
+    return len(report.findings)
 
 
 def cpu_work(ms: float) -> None:
@@ -348,6 +419,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
                    help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
+    p.add_argument("--kind", choices=["dflash", "domino"], default="dflash",
+                   help="draft kind (qwen3-8b and --real-target build through the trainer's factory)")
+    p.add_argument("--real-target", action="store_true", help="a random-weight Qwen3 target of the config's shape")
+    p.add_argument("--sync-check", action="store_true",
+                   help="also run steps under torch.cuda.set_sync_debug_mode('error') (GPU) and count syncs")
     p.add_argument("--profile", action="store_true",
                    help="also print where the peak memory and the step's kernel time go (after the timing)")
     args = p.parse_args()
@@ -387,6 +463,15 @@ def main() -> int:
     }
     result["mfu_specforge"] = result["tflops_specforge"] * 1e12 / peak if not math.isnan(peak) else float("nan")
     result["mfu_needed"] = result["tflops_needed"] * 1e12 / peak if not math.isnan(peak) else float("nan")
+    result["samples_per_s"] = s.batch / ms * 1e3
+    if args.config == "qwen3-8b" or args.real_target:
+        target_flops = target_forward_flops(trainer, s)
+        result.update(kind=args.kind, target_tflop_per_step=target_flops / 1e12,
+                      tflops_end_to_end=(f["needed"] + target_flops) / ms / 1e9)
+        result["mfu_end_to_end"] = result["tflops_end_to_end"] * 1e12 / peak if not math.isnan(peak) else float("nan")
+    if args.sync_check:
+        result["syncs"] = count_syncs(trainer, batch, device, 5)
+        progress("sync check done", t0)
     if args.latency:
         latency = args.data_latency_ms if args.data_latency_ms is not None else ms / 2
         runs = {}
@@ -422,7 +507,13 @@ def main() -> int:
         print_profile(result["profile"])
     line = (f"bench {args.config} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
             f"{result['tflops_specforge']:.0f} TFLOP/s (specforge count, MFU {result['mfu_specforge']:.1%}), "
-            f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB")
+            f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB, "
+            f"{result['samples_per_s']:.2f} samples/s")
+    if "tflops_end_to_end" in result:
+        line += (f"; {args.kind} end to end (target forward included): "
+                 f"{result['tflops_end_to_end']:.0f} TFLOP/s, MFU {result['mfu_end_to_end']:.1%}")
+    if args.sync_check:
+        line += f"; syncs {result['syncs']}"
     if args.latency:
         line += (f"; latency {result['latency_ms']:.0f} ms: sync-free x{result['latency_slowdown_sync_free']:.2f}, "
                  f"forced-sync x{result['latency_slowdown_forced_sync']:.2f}")

@@ -10,7 +10,10 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
 
 Variants: regen (the default: the target's regenerated replies), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
-domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5).
+domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
+graph (`cuda_graph: true`), fixed-width (`draft.anchor_widths=1`: no host-bounded width). Each row also
+gives the training throughput of its last log window, the peak accelerator memory and the number of
+CUDA graphs captured.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +38,8 @@ VARIANTS: dict[str, list[str]] = {
     "labels-target": ["data.regenerate=false", "data.labels=target"],
     "domino": ["draft.kind=domino"],
     "domino-ss": ["draft.kind=domino", "domino.scheduled_sampling=0.5"],
+    "graph": ["cuda_graph=true"],  # the hot path: every step a CUDA-graph replay (one graph per batch shape)
+    "fixed-width": ["draft.anchor_widths=1"],  # every batch at the full anchor width N
 }
 
 
@@ -55,9 +62,15 @@ def main() -> int:
     for name in names:
         cfg = TrainConfig.from_sources(None, [*common, *VARIANTS[name], f"output_dir={args.out}/{name}"])
         start = time.perf_counter()
-        summary = DFlashTrainer(cfg, target=model, tokenizer=tokenizer).fit()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer = DFlashTrainer(cfg, target=model, tokenizer=tokenizer)
+        summary = trainer.fit()
         held, spec = summary.get("held_out", {}), summary.get("speculative", {})
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         rows.append({"variant": name, "steps": summary["steps"], "minutes": (time.perf_counter() - start) / 60,
+                     "train_tokens_per_s": summary["train"].get("tokens_per_s"), "peak_gib": peak,
+                     "graphs": len(trainer.graphs) if trainer.graphs is not None else 0,
                      "train_tau": summary["train"].get("tau"), "held_out_tau": held.get("tau"),
                      "held_out_chain_tau": held.get("chain_tau"), "real_tau": spec.get("tau"),
                      "numerical_ties": len(spec.get("numerical_ties", [])), "speedup": spec.get("speedup")})
@@ -74,7 +87,8 @@ def main() -> int:
     (Path(args.out) / "compare.json").write_text(json.dumps(rows, indent=2))
     print(f"compare_recipes ({args.steps} steps, {device}): "
           + "; ".join(f"{r['variant']} real tau {fmt(r['real_tau'])} (chain {fmt(r['held_out_chain_tau'])}, "
-                      f"uniform {fmt(r['held_out_tau'])})" for r in rows))
+                      f"uniform {fmt(r['held_out_tau'])}), {fmt(r['train_tokens_per_s'])} tok/s, "
+                      f"peak {fmt(r['peak_gib'])} GiB, {r['graphs']} graphs" for r in rows))
     return 0
 
 

@@ -7,6 +7,7 @@ import torch
 
 from dflash.anchors import (
     anchor_seed,
+    anchor_widths,
     bounded_width,
     has_valid_anchor,
     max_valid_anchors,
@@ -104,15 +105,25 @@ def test_anchor_seed_differs_by_rank_and_step():
     assert all(0 <= s < 2**63 for s in seeds)
 
 
+def test_anchor_widths_are_few_and_end_at_n():
+    assert anchor_widths(32, 4) == [8, 16, 24, 32]
+    assert anchor_widths(100, 3) == [34, 67, 100]
+    assert anchor_widths(5, 8) == [1, 2, 3, 4, 5]
+    assert anchor_widths(64, 1) == [64]
+    with pytest.raises(ValueError):
+        anchor_widths(64, 0)
+
+
 def test_bounded_width_host_side():
     lm = torch.zeros(2, 300, dtype=torch.bool)
     lm[0, :71] = True  # 70 valid
     lm[1, :11] = True  # 10 valid
-    assert bounded_width(lm, 512, 64) == 128
-    assert bounded_width(lm, 100, 64) == 100
-    assert bounded_width(torch.zeros(2, 10, dtype=torch.bool), 512, 64) == 64
+    assert bounded_width(lm, anchor_widths(512, 4)) == 128
+    assert bounded_width(lm, anchor_widths(64, 4)) == 64  # more valid anchors than N: N
+    assert bounded_width(lm, [70, 80]) == 70
+    assert bounded_width(torch.zeros(2, 10, dtype=torch.bool), anchor_widths(512, 4)) == 128
     with pytest.raises(ValueError):
-        bounded_width(lm.to("meta"), 512)
+        bounded_width(lm.to("meta"), [512])
 
 
 def test_max_valid_anchors():

@@ -135,22 +135,29 @@ def test_export_and_eval_commands(tiny_target_dir, conversations_file, tmp_path,
 
 
 def test_step_with_the_real_data_pipeline_is_sync_free(tiny_target_dir, conversations_file, tmp_path):
-    """DataLoader + prefetcher feeding several non-log steps inside forbid_syncs()."""
+    """DataLoader + prefetcher feeding several non-log steps (batches of host-bounded anchor widths) inside
+    forbid_syncs(). Collation reads the CPU copy of the batch (the anchor width): it runs in a DataLoader
+    worker, as by default, because on a CPU-only machine forbid_syncs counts every tensor as a device one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.diagnostics import forbid_syncs
     from dflash.trainer import DFlashTrainer
 
-    cfg = TrainConfig.from_sources(None, _args(tiny_target_dir, conversations_file, tmp_path / "r")[1:])
+    cfg = TrainConfig.from_sources(None, _args(tiny_target_dir, conversations_file, tmp_path / "r")[1:]
+                                   + ["data.num_workers=1", "draft.num_anchors=64"])
     trainer = DFlashTrainer(cfg, target=AutoModelForCausalLM.from_pretrained(tiny_target_dir),
                             tokenizer=AutoTokenizer.from_pretrained(tiny_target_dir))
     train = training_data(None, cfg.data, trainer.tokenizer, trainer.target.model, cfg.target).train
     batches = trainer._device_batches(train)
     trainer.train_step(next(batches))
+    widths = []
     with forbid_syncs(raise_on_first=False) as report:
         for _ in range(4):
-            trainer.train_step(next(batches))
+            batch = next(batches)
+            widths.append(batch["num_anchors"])
+            trainer.train_step(batch)
     assert report.findings == [], report
+    assert all(type(w) is int for w in widths) and min(widths) < cfg.draft.num_anchors, widths
 
 
 def test_plot_command_writes_pngs(tmp_path, capsys):
@@ -161,3 +168,177 @@ def test_plot_command_writes_pngs(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 0
     written = [line for line in capsys.readouterr().out.splitlines() if line.endswith(".png")]
     assert written and all(Path(p).stat().st_size > 1000 for p in written)
+
+
+# ---- bad input: one line naming the problem, an exit code, never a traceback (issue 18) ----------------
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_target_dir, conversations_file, tmp_path_factory):
+    """A 4-step run (checkpoints at 2 and 4) that the bad-input cases copy and spoil."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=4", "save_interval=2",
+                      "spec_eval_prompts=0", "export_on_finish=false")) == 0
+    return out
+
+
+def _spoil(run: Path, name: str, folder: str = "step-00000004") -> Path:
+    path = run / "checkpoints" / folder / name
+    path.write_bytes(path.read_bytes()[:100])
+    return path
+
+
+def _pickled_callable(run: Path) -> Path:
+    import pathlib
+
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (pathlib.Path.touch, (run / "the-payload-ran",))
+
+    for folder in ("step-00000002", "step-00000004"):
+        path = run / "checkpoints" / folder
+        torch.save({"step": 2, "payload": Payload()}, path / "trainer_state.pt")
+        (path / "COMPLETE").write_text("2")  # an older marker: no sizes to compare
+    return run / "the-payload-ran"
+
+
+def _no_space(errno_code: int, text: str):
+    def write(path, data):
+        raise OSError(errno_code, text, str(path))
+
+    return write
+
+
+def _cuda_device() -> str:
+    import torch
+
+    return f"device=cuda:{torch.cuda.device_count()}"  # a GPU this machine lacks, with or without GPUs
+
+
+# name -> (make the argv and spoil what it needs, exit code, what the one error line must say)
+BAD_INPUTS = {
+    "missing target path": (lambda c: c.train("target=/no/such/model"), 2, "target=/no/such/model: no such model folder"),
+    "unknown hub target (offline)": (lambda c: c.train("target=no-such-org/no-such-model"), 2,
+                                     "target=no-such-org/no-such-model could not be loaded"),
+    "YAML syntax error": (lambda c: ["train", str(c.write("bad.yaml", "optim:\n  lr: [0.1\nmax_steps: 3\n"))], 2,
+                          "bad.yaml is not valid YAML"),
+    "YAML not a mapping": (lambda c: ["train", str(c.write("list.yaml", "- 1\n- 2\n"))], 2, "must hold a mapping"),
+    "override that is not YAML": (lambda c: ["train", "optim.lr=[1", "--dry-run"], 2, "override 'optim.lr=[1'"),
+    "unknown config key": (lambda c: ["train", "optim.lrr=1", "--dry-run"], 2, "unknown config key 'optim.lrr'"),
+    "CUDA device on a machine without it": (lambda c: c.train(_cuda_device()), 2, "device=cuda:"),
+    "eval_size larger than the data": (lambda c: c.train("data.eval_size=39"), 2, "data.eval_size=39 holds out"),
+    "export of a missing checkpoint": (lambda c: ["export", str(c.tmp / "nothing"), str(c.tmp / "out")], 2,
+                                       "is neither a checkpoint folder nor a run folder"),
+    "export of a damaged checkpoint": (lambda c: ["export", str(_spoil(c.run, "draft.safetensors").parent),
+                                                  str(c.tmp / "out")], 2, "draft.safetensors is"),
+    "resume of a named damaged checkpoint": (
+        lambda c: c.resume(f"resume_from={_spoil(c.run, 'trainer_state.pt').parent}"), 2, "trainer_state.pt is"),
+    "resume with every checkpoint damaged": (
+        lambda c: (_spoil(c.run, "draft.safetensors", "step-00000002"), _spoil(c.run, "draft.safetensors"),
+                   c.resume())[-1], 2, "no intact checkpoint"),
+    "resume with a run-defining change": (lambda c: c.resume("batch_size=2"), 2, "batch_size: 4 -> 2"),
+    "resume on different data content": (lambda c: c.changed_data(), 2, "training data differs"),
+    "trainer_state.pt carrying a pickled callable": (lambda c: (_pickled_callable(c.run), c.resume())[-1], 2,
+                                                     "holds objects other than tensors"),
+    "updates that never stay finite": (lambda c: c.train("optim.lr=1e30", "max_nonfinite_skips=2", "max_steps=8"), 3,
+                                       "consecutive optimizer updates were skipped"),
+    "disk full while saving": (lambda c: c.resume("max_steps=6", write=_no_space(28, "No space left on device")), 4,
+                               "draft.safetensors: No space left on device); the earlier checkpoints are intact"),
+    "read-only output": (lambda c: c.resume("max_steps=6", write=_no_space(30, "Read-only file system")), 4,
+                         "Read-only file system"),
+    "plot of a damaged metrics line": (lambda c: ["plot", str(c.write("m/metrics.jsonl", "{\"step\": 1,\n{}\n").parent)],
+                                       2, "metrics.jsonl, line 1: not a JSON line"),
+}
+
+
+class _Case:
+    def __init__(self, tmp: Path, target: Path, data: Path, trained: Path, monkeypatch) -> None:
+        import shutil
+
+        self.tmp, self.target, self.data, self.monkeypatch = tmp, target, data, monkeypatch
+        self.run = tmp / "run"
+        shutil.copytree(trained, self.run)
+
+    def write(self, name: str, text: str) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    def changed_data(self) -> list[str]:
+        """A run on a copy of the data, whose content then changes under the same path."""
+        data, run = self.write("chats.jsonl", self.data.read_text()), self.tmp / "own"
+        assert main(_args(self.target, data, run, "max_steps=2", "spec_eval_prompts=0", "export_on_finish=false")) == 0
+        data.write_text(data.read_text().replace("Question number", "Query"))
+        return _args(self.target, data, run, "max_steps=4", "spec_eval_prompts=0", "resume_from=latest")
+
+    def train(self, *extra: str) -> list[str]:
+        return _args(self.target, self.data, self.tmp / "fresh", "spec_eval_prompts=0", "max_steps=2", *extra)
+
+    def resume(self, *extra: str, write=None) -> list[str]:
+        if write is not None:
+            import dflash.checkpoint as ck
+
+            self.monkeypatch.setattr(ck, "_write", write)
+        return _args(self.target, self.data, self.run, "save_interval=2", "spec_eval_prompts=0",
+                     "export_on_finish=false", "max_steps=4", "resume_from=latest", *extra)
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_ends_in_one_clear_line(name, tiny_target_dir, conversations_file, trained_run, tmp_path,
+                                          monkeypatch, capsys):
+    make, code, says = BAD_INPUTS[name]
+    case = _Case(tmp_path, tiny_target_dir, conversations_file, trained_run, monkeypatch)
+    config_before = (case.run / "config.yaml").read_text()
+    argv = make(case)
+    capsys.readouterr()
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith(f"dflash {argv[0]}: ") and ": error: " in line
+              or line.startswith(f"dflash {argv[0]}: stopped: ")]
+    assert len(errors) == 1 and says in err[err.index(errors[0]):], err[-3000:]
+    rest = err[err.index(errors[0]) + len(errors[0]):].strip("\n").splitlines()
+    assert all(line.startswith("  ") and " -> " in line for line in rest), rest  # a refused resume lists its diff
+    assert argv[0] != "export" or "resume_from" not in err  # export has no such setting
+    if code == 2:
+        assert (case.run / "config.yaml").read_text() == config_before  # a refused resume leaves it alone
+    assert not (case.run / "the-payload-ran").exists()
+
+
+def test_plot_of_a_half_written_last_line_names_the_file(tmp_path, capsys):
+    """The last line of a run killed while logging is left out, with a warning naming the file."""
+    pytest.importorskip("matplotlib")
+    rows = [{"step": s, "loss": 3.0 / s, "tau": 1 + 0.2 * s, "per_position_accuracy": [0.5 / s]} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
+    assert main(["plot", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}: left out its half-written last line 3" in err and "Traceback" not in err
+
+
+def test_sigterm_exits_with_143_and_export_reads_no_optimizer_state(trained_run, tiny_target_dir, conversations_file,
+                                                                    tmp_path, monkeypatch, capsys):
+    """An interrupted run's exit code differs from a finished one's (README, "Exit codes"); `dflash export`
+    reads the weights and config alone (the optimizer state may be missing or from anywhere)."""
+    import os
+    import shutil
+    import signal
+
+    from dflash.trainer import DFlashTrainer
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    real_step = DFlashTrainer.train_step
+
+    def step_then_sigterm(self, batch):
+        real_step(self, batch)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(DFlashTrainer, "train_step", step_then_sigterm)
+    assert main(_args(tiny_target_dir, conversations_file, run, "max_steps=8", "resume_from=latest")) == 143
+    assert json.loads(capsys.readouterr().out)["interrupted"]
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000005"
+    (run / "checkpoints" / "step-00000005" / "trainer_state.pt").unlink()
+    assert main(["export", str(run), str(tmp_path / "exported")]) == 0
+    assert "step-00000005" in capsys.readouterr().out and (tmp_path / "exported" / "model.safetensors").exists()

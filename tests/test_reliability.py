@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
-from dflash.checkpoint import find_latest
+from dflash.checkpoint import find_latest, load_checkpoint
 from dflash.reporting import read_history
 from dflash.stopping import NonFiniteError
 from dflash.trainer import DFlashTrainer
@@ -86,33 +86,28 @@ def test_resume_restores_the_anchor_generator(tmp_path):
     assert torch.equal(torch.get_rng_state(), saved["torch_rng"])
 
 
-def test_sigkill_during_a_save_loses_nothing_before_it(tmp_path):
-    """A child process is killed with SIGKILL in the middle of writing its 3rd checkpoint."""
+def test_sigkill_during_a_save_loses_nothing_before_it(tmp_path, caplog):
+    """A child process is SIGKILLed in the middle of writing its 3rd checkpoint (the crash-injection hook
+    of dflash.checkpoint: the 8th file a save writes is the 2nd of the 3rd checkpoint)."""
     child = textwrap.dedent(f"""
-        import os, signal, sys, torch
+        import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
-        import dflash.checkpoint as ck
         from test_reliability import fresh_trainer, run_config
-        calls = []
-        real_save = torch.save
-        def dying_save(obj, path, *a, **k):
-            calls.append(path)
-            if len(calls) == 3:
-                open(path, "wb").write(b"half a checkpoint")
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real_save(obj, path, *a, **k)
-        ck.torch.save = dying_save
         fresh_trainer(run_config({str(tmp_path / 'run')!r}, save_interval=1)).fit()
     """)
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DFLASH_FAULT": "save-write:8"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     root = tmp_path / "run" / "checkpoints"
-    assert any(p.name.startswith(".tmp-step-00000003") for p in root.iterdir())  # the interrupted save
+    orphan = [p for p in root.iterdir() if p.name.startswith(".tmp-step-00000003")]
+    assert orphan  # the interrupted save
     latest = find_latest(tmp_path / "run")
     assert latest.name == "step-00000002"  # the previous good checkpoint
     resumed = fresh_trainer(run_config(tmp_path / "run", resume_from="latest", max_steps=4))
-    resumed.fit()
+    with caplog.at_level("WARNING"):
+        resumed.fit()
     assert resumed.step == 4 and find_latest(tmp_path / "run").name == "step-00000004"
+    assert not orphan[0].exists() and f"removing {orphan[0]}, left by an interrupted save" in caplog.text
 
 
 def test_nonfinite_update_is_skipped_and_reported(monkeypatch):
@@ -139,24 +134,254 @@ def test_nonfinite_update_is_skipped_and_reported(monkeypatch):
 
 
 def test_consecutive_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
-    trainer = fresh_trainer(run_config(tmp_path, max_steps=20, max_nonfinite_skips=3))
+    """The stop is checked every step, not at the log flush: with log_interval=10 and a limit of 3 the run
+    stops at the step that makes the third consecutive skip (step 5), not at step 10 after 8 skips. The
+    window's loss then counts only its finite steps, and a window of skipped steps logs no loss."""
+    trainer = fresh_trainer(run_config(tmp_path, max_steps=20, max_nonfinite_skips=3, log_interval=10))
     real = trainer.target.forward
     monkeypatch.setattr(trainer.target, "forward",
                         lambda ids: real(ids) * (float("nan") if trainer.step >= 2 else 1.0))
-    with pytest.raises(NonFiniteError, match="3 consecutive optimizer updates were skipped"):
+    with pytest.raises(NonFiniteError, match="3 consecutive optimizer updates were skipped .* at step 5"):
         trainer.fit()
+    assert trainer.step == 5
     latest = find_latest(tmp_path)
-    from dflash.checkpoint import load_checkpoint
-
+    assert latest.name == "step-00000005"
     weights, _, _ = load_checkpoint(latest)
     assert all(torch.isfinite(w).all() for w in weights.values())
+    (row,) = [r for r in read_history(tmp_path) if "loss" in r]
+    assert row["step"] == 5 and row["nonfinite_skips"] == 3 and row["loss"] > 0  # steps 1-2 only
 
 
-def test_resume_with_a_different_configuration_lists_what_differs(tmp_path):
+def test_a_window_of_skipped_steps_logs_no_loss(tmp_path, monkeypatch, caplog):
+    """Skipped updates add no supervised weight; a window with no finite step has no loss (not 0.0)."""
+    trainer = fresh_trainer(run_config(tmp_path, max_steps=4, max_nonfinite_skips=5, log_interval=2))
+    real = trainer.target.forward
+    monkeypatch.setattr(trainer.target, "forward",
+                        lambda ids: real(ids) * (float("nan") if trainer.step >= 2 else 1.0))
+    with caplog.at_level("INFO", logger="dflash"):
+        trainer.fit()
+    losses = {r["step"]: r["loss"] for r in read_history(tmp_path) if "loss" in r}
+    assert losses[2] > 0 and losses[4] is None, losses
+    assert "step 4/4 | loss n/a" in caplog.text and "nonfinite_skips 2" in caplog.text
+
+
+def test_the_last_step_is_saved_once(tmp_path, monkeypatch):
+    """When the last step is also a save step it is not saved again at the end, and a resume with no step
+    left saves nothing (each re-save of a step is a window in which the only checkpoint is rewritten)."""
+    import dflash.trainer as trainer_module
+
+    saved = []
+    real = trainer_module.save_checkpoint
+    monkeypatch.setattr(trainer_module, "save_checkpoint", lambda *a, **k: saved.append(a[1]) or real(*a, **k))
+    fresh_trainer(run_config(tmp_path, max_steps=6, save_interval=3)).fit()
+    assert saved == [3, 6]
+    again = fresh_trainer(run_config(tmp_path, max_steps=6, save_interval=3, resume_from="latest"))
+    summary = again.fit()
+    assert saved == [3, 6] and again.step == 6 and summary["checkpoint"].endswith("step-00000006")
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at(monkeypatch, point: str) -> None:
+    """Make dflash.checkpoint stop at a named point as a kill would (nothing after it runs)."""
+    import dflash.checkpoint as ck
+
+    def fault(name: str) -> None:
+        if name == point:
+            raise _Crash(point)
+
+    monkeypatch.setattr(ck, "_fault", fault)
+
+
+@pytest.mark.parametrize("point", ["save-write", "save-complete", "save-aside", "save-installed", "save-pointer",
+                                   "delete"])
+def test_saving_a_step_again_never_leaves_it_without_a_complete_copy(tmp_path, monkeypatch, point):
+    """Re-saving an existing step (a resume from an older checkpoint reaches it again) renames the old copy
+    aside and deletes it only once the new one is in place; interrupted anywhere, the next start has a
+    complete checkpoint of that step (the old copy put back, or the new one)."""
+    from dflash.checkpoint import damage, prepare_run_dir, save_checkpoint
+
+    def save(value: float):
+        save_checkpoint(tmp_path, 3, {"w": torch.full((4,), value)}, {"kind": "x"}, {"step": 3}, keep_last=1)
+
+    save(1.0)
+    _crash_at(monkeypatch, point)
+    with pytest.raises(_Crash):
+        save(2.0)
+    monkeypatch.undo()
+    prepare_run_dir(tmp_path)
+    latest = find_latest(tmp_path)
+    assert latest is not None and latest.name == "step-00000003" and damage(latest) is None
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+    value = load_checkpoint(latest)[0]["w"][0].item()
+    assert value == (1.0 if point in ("save-write", "save-complete", "save-aside") else 2.0)
+
+
+def test_a_save_killed_before_it_moved_latest_is_still_the_newest(tmp_path, monkeypatch):
+    """The newest checkpoint is the last save completed (a counter in COMPLETE), not the one `latest`
+    names: a kill between the rename and the pointer update must not send the resume back a save."""
+    import dflash.checkpoint as ck
+
+    ck.save_checkpoint(tmp_path, 3, {"w": torch.ones(2)}, {}, {"step": 3}, keep_last=2)
+    _crash_at(monkeypatch, "save-installed")
+    with pytest.raises(_Crash):
+        ck.save_checkpoint(tmp_path, 6, {"w": torch.ones(2)}, {}, {"step": 6}, keep_last=2)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000003"
+    assert find_latest(tmp_path).name == "step-00000006"
+
+
+def test_a_deletion_removes_the_complete_marker_first(tmp_path, monkeypatch):
+    """Pruning deletes COMPLETE (made durable) before any file, so a kill part way through never leaves
+    a folder that claims to be complete; the next start removes the remains."""
+    import dflash.checkpoint as ck
+
+    seen = []
+    real_rmtree = ck.shutil.rmtree
+    monkeypatch.setattr(ck.shutil, "rmtree", lambda path, **k: seen.append((path / "COMPLETE").exists())
+                        or real_rmtree(path, **k))
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, {"w": torch.ones(2)}, {}, {"step": step}, keep_last=1)
+    assert seen == [False]  # the marker was gone when the files went
+    monkeypatch.undo()
+    _crash_at(monkeypatch, "delete")
+    with pytest.raises(_Crash):
+        ck.save_checkpoint(tmp_path, 3, {"w": torch.ones(2)}, {}, {"step": 3}, keep_last=1)
+    half = tmp_path / "checkpoints" / "step-00000002"
+    assert half.exists() and not (half / "COMPLETE").exists()
+    ck.prepare_run_dir(tmp_path)
+    assert not half.exists() and find_latest(tmp_path).name == "step-00000003"
+
+
+@pytest.mark.parametrize("how", ["truncate-draft", "truncate-state", "missing-file", "broken-header"])
+def test_a_damaged_newest_checkpoint_falls_back_and_says_why(tmp_path, caplog, how):
+    from dflash.checkpoint import CheckpointError, resolve_resume
+
+    fresh_trainer(run_config(tmp_path, max_steps=4, save_interval=2)).fit()
+    newest = tmp_path / "checkpoints" / "step-00000004"
+    name = {"truncate-draft": "draft.safetensors", "truncate-state": "trainer_state.pt",
+            "missing-file": "draft_config.json", "broken-header": "draft.safetensors"}[how]
+    data = (newest / name).read_bytes()
+    if how == "missing-file":
+        (newest / name).unlink()
+    elif how == "broken-header":
+        (newest / name).write_bytes(data[:8] + b"{nonsense" + data[17:])
+    else:
+        (newest / name).write_bytes(data[: len(data) - 64])
+    with caplog.at_level("WARNING"):
+        assert resolve_resume("latest", tmp_path).name == "step-00000002"
+    assert f"checkpoint {newest} is damaged ({name}" in caplog.text and "falling back" in caplog.text
+    with pytest.raises(CheckpointError, match=f"checkpoint {newest} cannot be used: {name}"):
+        resolve_resume(str(newest), tmp_path)  # named explicitly: one clear error naming the file
+    (tmp_path / "checkpoints" / "step-00000002" / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):  # never a silent restart at step 0
+        resolve_resume("latest", tmp_path)
+
+
+def test_a_full_disk_names_the_path_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+    import errno
+
+    import dflash.checkpoint as ck
+
+    trainer = fresh_trainer(run_config(tmp_path, max_steps=6, save_interval=3))
+    real_write = ck._write
+
+    def full(path, data):
+        if trainer.step == 6 and path.name == "trainer_state.pt":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(ck, "_write", full)
+    with pytest.raises(ck.CheckpointWriteError) as caught:
+        trainer.fit()
+    message = str(caught.value)
+    assert "step-00000006" in message and "trainer_state.pt: No space left on device" in message, message
+    assert "\n" not in message
+    names = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert "step-00000006" not in names and not [n for n in names if n.startswith(".tmp")]  # nothing half-written
+    assert find_latest(tmp_path).name == "step-00000003" and ck.damage(find_latest(tmp_path)) is None
+
+
+def test_a_pickled_callable_in_trainer_state_is_refused_and_never_runs(tmp_path):
+    import pathlib
+
+    from dflash.checkpoint import CheckpointError
+
+    class Payload:  # what a malicious checkpoint carries: unpickling calls Path.touch(marker)
+        def __reduce__(self):
+            return (pathlib.Path.touch, (marker,))
+
+    marker = tmp_path / "the-payload-ran"
+    fresh_trainer(run_config(tmp_path / "run", max_steps=2)).fit()
+    folder = tmp_path / "run" / "checkpoints" / "step-00000002"
+    state = torch.load(folder / "trainer_state.pt", weights_only=True)
+    torch.save({**state, "extra": Payload()}, folder / "trainer_state.pt")
+    (folder / "COMPLETE").write_text("2")  # an older marker: no recorded sizes
+    with pytest.raises(CheckpointError, match="trainer_state.pt holds objects other than tensors.*refused"):
+        load_checkpoint(folder)
+    with pytest.raises(CheckpointError, match="refused"):
+        fresh_trainer(run_config(tmp_path / "run", max_steps=4, resume_from="latest")).fit()
+    assert not marker.exists()
+
+
+def test_a_refused_resume_leaves_config_yaml_alone_and_data_content_is_compared(tmp_path):
     fresh_trainer(run_config(tmp_path, max_steps=2)).fit()
-    other = fresh_trainer(run_config(tmp_path, max_steps=4, resume_from="latest", draft__num_anchors=6))
-    with pytest.raises(ValueError, match=r"draft\.num_anchors: 8 -> 6"):
-        other.fit()
+    before = (tmp_path / "config.yaml").read_text()
+    with pytest.raises(ValueError, match=r"batch_size: 4 -> 2"):
+        fresh_trainer(run_config(tmp_path, max_steps=4, resume_from="latest", batch_size=2)).fit()
+    assert (tmp_path / "config.yaml").read_text() == before
+    with pytest.raises(ValueError, match=r"training data differs from what checkpoint .*step-00000002"):
+        fresh_trainer(run_config(tmp_path, max_steps=4, resume_from="latest"), dataset=tokenized_rows(seed=1)).fit()
+    assert (tmp_path / "config.yaml").read_text() == before
+
+
+def test_schedule_changes_on_resume_are_accepted_and_logged(tmp_path, caplog):
+    fresh_trainer(run_config(tmp_path, max_steps=2)).fit()
+    resumed = fresh_trainer(run_config(tmp_path, max_steps=4, resume_from="latest", optim__lr=1e-3,
+                                       optim__max_grad_norm=0.5))
+    with caplog.at_level("INFO", logger="dflash"):
+        resumed.fit()
+    assert resumed.step == 4
+    for change in ("max_steps: 2 -> 4", "optim.lr: 0.003 -> 0.001", "optim.max_grad_norm: 1.0 -> 0.5"):
+        assert f"resume: {change} (accepted" in caplog.text, change
+    assert "resume: resume_from" not in caplog.text  # differs by nature between launches: not reported
+
+
+def test_metrics_jsonl_drops_what_was_logged_after_the_checkpoint(tmp_path):
+    """A run killed after logging steps past its last checkpoint logs them again when it resumes: the
+    lines (and a half-written last one) logged after that checkpoint's save are dropped first."""
+    from dflash.reporting import truncate_history
+
+    fresh_trainer(run_config(tmp_path, max_steps=4, save_interval=2, log_interval=1)).fit()
+    jsonl = tmp_path / "metrics.jsonl"
+    complete = jsonl.read_text()
+    with jsonl.open("a") as f:
+        f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')  # a kill mid-line
+    resumed = fresh_trainer(run_config(tmp_path, max_steps=6, save_interval=2, log_interval=1,
+                                       resume_from="latest"))
+    resumed.fit()
+    assert [r["step"] for r in read_history(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert jsonl.read_text().startswith(complete)
+    jsonl.write_text(complete + '{"step": 5}\n{"step": 6, "lo')
+    assert truncate_history(jsonl, 4) == 2 and jsonl.read_text() == complete  # without a saved length
+
+
+def test_dataloader_workers_leave_sigterm_and_sigint_to_the_main_process():
+    """A signal to the whole process group (scancel, preemption, Ctrl-C) reaches the workers too; they
+    ignore it, so the main process can finish its step and save instead of dying of a worker's death."""
+    import time
+
+    from dflash.data import Collator, make_dataloader
+
+    loader = make_dataloader(tokenized_rows(n=64), 4, Collator(0, 8, 64), num_workers=2)
+    batches = iter(loader)
+    next(batches)
+    for sig, worker in zip((signal.SIGTERM, signal.SIGINT), batches._workers, strict=True):
+        os.kill(worker.pid, sig)
+    time.sleep(0.5)
+    assert sum(1 for _ in batches) == 64 // 4 - 1  # the rest of the epoch, from the same workers
+    assert all(worker.exitcode in (None, 0) for worker in batches._workers)
 
 
 def test_mask_token_present_in_the_data_is_refused(tmp_path):
@@ -284,22 +509,28 @@ def test_compiled_functions_may_keep_a_graph_for_every_batch_shape(tmp_path, mon
     """Flex attention, the compiled draft and the CE chunks are compiled with dynamic=False: one graph per
     batch shape. Past dynamo's recompile limit (8) a new shape would run eagerly, and eager flex attention
     materializes its whole score matrix. Training batches take one of max_length / bucket_multiple padded
-    lengths, and each held-out batch (every valid anchor) has its own width: the limit covers both, plus 4
-    entries for what dynamo also keys on (grad mode, train / eval)."""
+    lengths times the allowed anchor widths (4 by default), and each held-out batch (every valid anchor) has
+    its own width: the limit covers both, plus 4 entries for what dynamo also keys on (grad mode, train / eval)."""
     import torch._dynamo.config as dynamo_config
 
     def limit_after(run) -> int:
-        monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # dynamo's default, put back after the test
-        monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 256)
-        run()
-        assert dynamo_config.accumulated_recompile_limit >= dynamo_config.recompile_limit
-        return dynamo_config.recompile_limit
+        # Set and put back by hand: monkeypatch's undo deletes the attribute from dynamo's config module,
+        # which breaks every later compile in the same process.
+        saved = dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit
+        dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit = 8, 256  # dynamo's defaults
+        try:
+            run()
+            assert dynamo_config.accumulated_recompile_limit >= dynamo_config.recompile_limit
+            return dynamo_config.recompile_limit
+        finally:
+            dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit = saved
 
     cfg = run_config(tmp_path, max_steps=1, batch_size=1, data__max_length=2048, data__bucket_multiple=64,
                      eval_interval=0)
-    assert limit_after(lambda: fresh_trainer(cfg).fit()) == 2048 // 64 + 4
+    shapes = 2048 // 64 * cfg.draft.anchor_widths
+    assert limit_after(lambda: fresh_trainer(cfg).fit()) == shapes + 4
     rows = tokenized_rows(n=6)
-    assert limit_after(lambda: fresh_trainer(cfg).evaluate(rows)) == 2048 // 64 + 6 + 4  # 6 held-out batches
+    assert limit_after(lambda: fresh_trainer(cfg).evaluate(rows)) == shapes + 6 + 4  # 6 held-out batches
 
     from dflash.hf import dflash_collator  # Trainer integration: a last, smaller batch doubles the lengths
 

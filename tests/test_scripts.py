@@ -37,6 +37,17 @@ def test_bench_step_tiny(tmp_path):
     assert stdout.strip().splitlines()[-1].startswith("bench tiny")
 
 
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_bench_step_end_to_end_tiny(tmp_path, kind):
+    """The end-to-end configuration's path (a real target forward, the draft through the factory, the sync
+    count) on a tiny shape."""
+    stdout = run("scripts/bench_step.py", "--config", "tiny", "--real-target", "--kind", kind, "--steps", "2",
+                 "--warmup", "1", "--sync-check", "--json", str(tmp_path / "e.json"))
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["kind"] == kind and result["syncs"] == 0 and result["target_tflop_per_step"] > 0
+    assert result["samples_per_s"] > 0 and "end to end" in stdout.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_bench_step_two_processes(tmp_path, mode):
     """`accelerate launch --num_processes 2` (CPU, gloo): rank 0 writes the JSON and the one summary line,
@@ -150,3 +161,14 @@ def test_compare_recipes_tiny(tmp_path):
     for r in rows:
         assert r["steps"] == 2 and r["real_tau"] >= 1.0 and r["held_out_chain_tau"] >= 1.0 and r["held_out_tau"] >= 1.0
     assert stdout.strip().splitlines()[-1].startswith("compare_recipes (2 steps, cpu)")
+
+
+def test_bench_width_tiny():
+    """The host-bounded width benchmark runs on CPU and both variants reach the same loss."""
+    out = subprocess.run([sys.executable, "scripts/bench_width.py", "--tiny", "--steps", "4"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("bench_width:") and "steps/s bounded" in line, out.stdout
+    bounded, fixed = (float(x) for x in line.split("loss ")[1].split(" vs "))
+    assert bounded == pytest.approx(fixed, rel=1e-5)

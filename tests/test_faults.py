@@ -1,0 +1,374 @@
+"""Fault drills (issue 18): `dflash train` on a tiny local target, interrupted at every kind of moment.
+
+Each drill chain trains one run folder to step 12 (saves every 3 steps, a log line every 2, the data's
+epoch ends at step 10) through a sequence of faults, each followed by a launch with `resume_from=latest`:
+
+- SIGKILL at named points of a save, a re-save and a deletion (the `DFLASH_FAULT` hook of
+  dflash.checkpoint), including inside the final save and during pruning;
+- SIGKILL at random moments (seeded delays);
+- SIGTERM / SIGINT to the whole process group with DataLoader workers on, at random moments and
+  inside a save (what `scancel`, preemption, `systemctl stop` and Ctrl-C send);
+- a damaged newest checkpoint (truncated weights or trainer state, a missing file, a broken header).
+
+After each fault the next launch must resume from the newest intact checkpoint (checked independently:
+the newest folder whose weights load and equal the uninterrupted run's at that step), say so when it
+falls back from a damaged one, and no fault may lose a checkpoint that was complete before it. At the
+end of each chain the weights and AdamW state are bit-identical to an uninterrupted run and
+metrics.jsonl holds every log step exactly once. Runs are forked from this process (imports are paid
+once) and two chains run at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import save_tiny_target
+from dflash.cli import main
+
+MAX_STEPS, SAVE_EVERY, LOG_EVERY = 12, 3, 2
+RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
+
+
+def chat_file(path: Path) -> Path:
+    with path.open("w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
+            ]}) + "\n")
+    return path
+
+
+def train_args(setup: dict, out: Path, *extra: str) -> list[str]:
+    return ["train", f"target={setup['target']}", f"data.source={setup['data']}", f"output_dir={out}", "device=cpu",
+            "draft.mask_token_id=16", "draft.block_size=4", "draft.num_anchors=8", "batch_size=4",
+            "data.max_length=64", "data.bucket_multiple=32", "data.eval_size=0", "data.regenerate=false",
+            f"log_interval={LOG_EVERY}", "ce_chunk_size=256", "spec_eval_prompts=0", "export_on_finish=false",
+            f"max_steps={MAX_STEPS}", f"save_interval={SAVE_EVERY}", "progress_bar=false",
+            f"data.cache_dir={out}-cache", "resume_from=latest", *extra]
+
+
+def launch(args: list[str], log: Path, env: dict[str, str] | None = None, *, setsid: bool = False,
+           prepare=None) -> int:
+    """Fork a process that runs `dflash <args>` (logging to `log`, after `prepare()`); returns its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 99
+    try:
+        if setsid:
+            os.setsid()
+        os.environ.update(env or {})
+        sys.stdout = sys.stderr = open(log, "a", buffering=1)  # noqa: SIM115 (the process ends with os._exit)
+        torch.set_num_threads(1)
+        if prepare is not None:
+            prepare()
+        code = main(args)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def wait(pid: int, timeout: float = 120.0) -> int:
+    """The exit code (negative: the signal that ended it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def wait_for_lines(metrics: Path, before: int, lines: int, pid: int, timeout: float = 60.0) -> None:
+    """Until metrics.jsonl has `lines` more lines than `before` (a run `lines` log steps further on)."""
+    deadline = time.monotonic() + timeout
+    while lines and time.monotonic() < deadline:
+        if (metrics.read_text().count("\n") if metrics.exists() else 0) >= before + lines:
+            return
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return  # the run ended first (left to `wait`, which reaps it)
+        time.sleep(0.005)
+
+
+def step_of(folder: Path) -> int:
+    return int(folder.name.split("-")[1])
+
+
+def weights_at(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step-{step:08d}" / "draft.safetensors"))
+
+
+def newest_intact(run: Path, reference: Path) -> int:
+    """Independent of dflash.checkpoint: the highest step whose folder has a COMPLETE marker, weights and
+    trainer state that load, and weights equal to the uninterrupted run's at that step (0: none)."""
+    for folder in sorted((run / "checkpoints").glob("step-*"), reverse=True):
+        try:
+            assert (folder / "COMPLETE").exists() and (folder / "draft_config.json").exists()
+            weights = load_file(str(folder / "draft.safetensors"))
+            state = torch.load(folder / "trainer_state.pt", weights_only=True)
+            expected = weights_at(reference, step_of(folder))
+            if state["step"] == step_of(folder) and all(torch.equal(weights[k], v) for k, v in expected.items()):
+                return step_of(folder)
+        except Exception:
+            continue
+    return 0
+
+
+def damage(run: Path, how: str) -> str:
+    """Damage the newest checkpoint folder; returns its name."""
+    folder = max((run / "checkpoints").glob("step-*"))
+    if how == "truncate-draft":
+        data = (folder / "draft.safetensors").read_bytes()
+        (folder / "draft.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "truncate-state":
+        data = (folder / "trainer_state.pt").read_bytes()
+        (folder / "trainer_state.pt").write_bytes(data[: len(data) - 100])
+    elif how == "missing-config":
+        (folder / "draft_config.json").unlink()
+    elif how == "broken-header":
+        data = bytearray((folder / "draft.safetensors").read_bytes())
+        data[8:16] = b"\x00garbage"
+        (folder / "draft.safetensors").write_bytes(bytes(data))
+    return folder.name
+
+
+def fault_count(point: str, which: str, resume_step: int, fresh: bool) -> int:
+    """`DFLASH_FAULT`'s n for `point` at the first or the final save of a run resumed at `resume_step`
+    (save-write counts files, 3 a save; a deletion follows each save that has an older checkpoint)."""
+    saves = (MAX_STEPS - resume_step) // SAVE_EVERY
+    index = 1 if which == "first" else saves
+    if point.startswith("save-write"):
+        return 3 * (index - 1) + int(point.rsplit("-", 1)[1])
+    if point == "delete":
+        return index - 1 if fresh else index
+    return index
+
+
+def run_chain(setup: dict, name: str, attempts: list[dict], out_file: Path, *, workers: int = 0,
+              keep_last: int = 1) -> None:
+    """One drill chain, in a forked process: faults, resumes, checks; the record goes to `out_file`."""
+    reference = setup["reference"]
+    run = setup["root"] / name
+    args = train_args(setup, run, f"data.num_workers={workers}", f"keep_last={keep_last}")
+    record: dict = {"name": name, "attempts": [], "errors": []}
+    pending_damage = None
+    for number, attempt in enumerate([*attempts, {"kind": "finish"}]):
+        before = newest_intact(run, reference) if run.exists() else 0
+        fresh = before == 0
+        log = run.parent / f"{name}.{number}.log"
+        kind = attempt["kind"]
+        entry = {**attempt, "before": before}
+        if kind == "damage":
+            entry["folder"] = pending_damage = damage(run, attempt["how"])
+            record["attempts"].append(entry)
+            continue
+        env, metrics = {}, run / "metrics.jsonl"
+        lines_before = metrics.read_text().count("\n") if metrics.exists() else 0
+        if kind == "fault":
+            n = fault_count(attempt["point"], attempt.get("at", "first"), before, fresh)
+            point = "save-write" if attempt["point"].startswith("save-write") else attempt["point"]
+            env["DFLASH_FAULT"] = f"{point}:{n}" + (":TERM" if attempt.get("term") else "")
+        pid = launch(args, log, env, setsid=kind == "group" or attempt.get("term", False))
+        if kind in ("timed", "group"):  # a random kill waits for at most the lines the run has left to log
+            left = (MAX_STEPS - before) // LOG_EVERY - 1
+            wait_for_lines(run / "metrics.jsonl", lines_before, attempt["lines"] if kind == "group" else
+                           min(attempt["lines"], left), pid)
+            time.sleep(attempt.get("delay", 0))
+            if kind == "timed":
+                os.kill(pid, signal.SIGKILL)
+            else:
+                os.killpg(pid, getattr(signal, attempt["signal"]))
+        entry["status"] = wait(pid)
+        text = log.read_text()
+        found = RESUMED.search(text)
+        entry["resumed"] = int(found.group(2)) if found else 0
+        # A launch killed before it logged its resume (start-up) decided nothing yet.
+        decided = found or entry["status"] != -signal.SIGKILL or re.search(r"step \d+/\d+ \||saved checkpoint", text)
+        if decided and entry["resumed"] != before:
+            record["errors"].append(f"attempt {number} ({attempt}): resumed at {entry['resumed']}, the newest intact "
+                                    f"checkpoint was {before}")
+        if pending_damage is not None:
+            said = re.search(rf"checkpoint \S*{pending_damage} is damaged \((.*)\): falling back", text)
+            entry["fallback_said"] = said.group(1) if said else None
+            if not said:
+                record["errors"].append(f"attempt {number}: no log line about the damaged {pending_damage}")
+            pending_damage = None
+        if "Traceback" in text:
+            record["errors"].append(f"attempt {number}: a traceback in {log}")
+        entry["after"] = newest_intact(run, reference)
+        if entry["after"] < before:
+            record["errors"].append(f"attempt {number}: the newest intact checkpoint went from {before} to "
+                                    f"{entry['after']}")
+        record["attempts"].append(entry)
+    final = record["attempts"][-1]
+    if final["status"] != 0 or final["after"] != MAX_STEPS:
+        record["errors"].append(f"the final launch ended with {final['status']} at step {final['after']}")
+    else:
+        ours = torch.load(run / "checkpoints" / f"step-{MAX_STEPS:08d}" / "trainer_state.pt", weights_only=True)
+        theirs = setup["reference_state"]
+        for (key, a), b in zip(ours["optimizer"]["state"].items(), theirs["optimizer"]["state"].values(), strict=True):
+            if not all(torch.equal(a[k], b[k]) for k in b):
+                record["errors"].append(f"AdamW state of {key} differs from the uninterrupted run")
+        if not torch.equal(ours["metrics"]["buffer"], theirs["metrics"]["buffer"]):
+            record["errors"].append("metric buffer differs from the uninterrupted run")
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    if steps != list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY)):
+        record["errors"].append(f"metrics.jsonl logs steps {steps}")
+    leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".old-"))]
+    if leftovers:
+        record["errors"].append(f"left over after the final launch: {leftovers}")
+    out_file.write_text(json.dumps(record))
+
+
+def run_chains(setup: dict, chains: list[tuple], jobs: int = 2) -> list[dict]:
+    """Run drill chains `jobs` at a time, each in its own forked process."""
+    results, running, queue = [], {}, list(chains)
+    while queue or running:
+        while queue and len(running) < jobs:
+            name, attempts, options = queue.pop(0)
+            out = setup["root"] / f"{name}.json"
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    run_chain(setup, name, attempts, out, **options)
+                    code = 0
+                except BaseException:
+                    out.write_text(json.dumps({"name": name, "attempts": [], "errors": [traceback.format_exc()]}))
+                finally:
+                    os._exit(code)
+            running[pid] = out
+        pid, _ = os.wait()
+        if pid in running:
+            results.append(json.loads(running.pop(pid).read_text()))
+    return results
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drills")
+    save_tiny_target(root / "target")
+    setup = {"root": root, "target": root / "target", "data": chat_file(root / "chats.jsonl")}
+    reference = root / "reference"
+    started = time.monotonic()
+    args = train_args(setup, reference, "data.num_workers=0", "keep_last=100", "save_interval=1")  # every step kept
+    status = wait(launch(args, root / "reference.log"))
+    assert status == 0, (root / "reference.log").read_text()[-3000:]
+    setup.update(reference=reference, seconds=time.monotonic() - started,
+                 reference_state=torch.load(reference / "checkpoints" / f"step-{MAX_STEPS:08d}" / "trainer_state.pt",
+                                            weights_only=True))
+    return setup
+
+
+def test_fault_drills(setup, capsys):
+    rng = random.Random(18)
+    run_seconds = setup["seconds"]
+
+    def timed(n: int) -> list[dict]:  # SIGKILLs at seeded random moments: start-up, or 1-2 log lines in, then 0-0.3 s
+        kills = []
+        for _ in range(n):
+            lines = rng.choice((0, 1, 1, 2))
+            delay = rng.uniform(0, 0.3) if lines else rng.uniform(0.2, 0.7) * run_seconds
+            kills.append({"kind": "timed", "lines": lines, "delay": round(delay, 3)})
+        return kills
+
+    def fault(point: str, at: str = "first", **kw) -> dict:
+        return {"kind": "fault", "point": point, "at": at, **kw}
+
+    chains = [
+        ("saves", [fault("save-write-1"), fault("save-write-3"), fault("save-complete"), fault("save-installed"),
+                   fault("save-pointer"), fault("delete"), fault("save-write-2", "final"),
+                   fault("save-installed", "final")], {}),
+        # Each final-save fault leaves the last step unsaved, but the last one, which kills during pruning.
+        ("final-save", [fault("save-write-1", "final"), fault("save-complete", "final"), fault("save-write-3", "final"),
+                        fault("delete", "final")], {}),
+        # A damaged newest checkpoint is passed over; its step is saved again (the old folder set aside first).
+        ("damaged", [fault("save-pointer", "final"), {"kind": "damage", "how": "truncate-state"},
+                     fault("save-aside"), fault("save-installed"), {"kind": "damage", "how": "truncate-draft"},
+                     fault("delete"), {"kind": "damage", "how": "missing-config"}, fault("save-complete"),
+                     fault("save-pointer"), {"kind": "damage", "how": "broken-header"}], {"keep_last": 2}),
+        *((f"random-{seed}", timed(4), {}) for seed in range(3)),
+        *((f"random-workers-{seed}", timed(3), {"workers": 2, "keep_last": 2}) for seed in range(2)),
+        ("group-signals", [{"kind": "group", "signal": "SIGTERM", "lines": 1},
+                           fault("save-write-2", term=True),
+                           {"kind": "group", "signal": "SIGINT", "lines": 2},
+                           {"kind": "group", "signal": "SIGTERM", "lines": 1}], {"workers": 2}),
+    ]
+    results = run_chains(setup, chains)
+    kills = [a for r in results for a in r["attempts"] if a["kind"] in ("timed", "fault") and not a.get("term")]
+    landed = [a for a in kills if a["status"] == -signal.SIGKILL]
+    groups = [a for r in results for a in r["attempts"] if a["kind"] == "group" or a.get("term")]
+    saved = [a for a in groups if a["status"] in (130, 143) and a["after"] > a["before"]]
+    damaged = [a for r in results for a in r["attempts"] if a["kind"] == "damage"]
+    errors = [f"{r['name']}: {e}" for r in results for e in r["errors"]]
+    with capsys.disabled():
+        print(f"\nfault drills: {len(landed)} SIGKILLs landed of {len(kills)} tried (the rest found the run done), "
+              f"{len(groups)} group signals ({len(saved)} saved a new checkpoint and exited 130/143), "
+              f"{len(damaged)} damaged newest checkpoints; {len(results)} chains, "
+              f"{'no failures' if not errors else f'{len(errors)} failures'}")
+    assert not errors, "\n".join(errors)
+    assert len(results) == len(chains)
+    assert all(a["status"] == -signal.SIGKILL for a in kills if a["kind"] == "fault"), kills  # every point reached
+    assert len(landed) >= len(kills) - 4  # the random delays mostly land before the run ends
+    assert all(a["status"] in (130, 143) for a in groups), groups  # saved and said so, never a traceback
+
+
+def test_group_signal_before_the_first_step_ends_the_run_cleanly(setup):
+    """SIGTERM to the group while the run is still loading (no step trained, no handler yet): the
+    process ends by the signal, nothing half-written is left, and the next launch trains from scratch."""
+    run = setup["root"] / "early"
+    args = train_args(setup, run, "data.num_workers=2", "keep_last=1")
+    pid = launch(args, setup["root"] / "early.log", setsid=True)
+    time.sleep(0.05)
+    os.killpg(pid, signal.SIGTERM)
+    status = wait(pid)
+    assert status in (-signal.SIGTERM, 143), status
+    assert wait(launch(args, setup["root"] / "early.2.log")) == 0
+    assert newest_intact(run, setup["reference"]) == MAX_STEPS
+    shutil.rmtree(run)
+
+
+def test_a_write_error_from_the_kernel_ends_in_one_line_and_keeps_the_checkpoints(setup):
+    """A real failing write during a save: a file-size limit makes the kernel refuse the weights file
+    (EFBIG; a full disk gives ENOSPC the same way). One line names the file and the cause, the exit code
+    is 4, the earlier checkpoints are intact and nothing half-written is left."""
+    import resource
+
+    run = setup["root"] / "full"
+    shutil.copytree(setup["reference"], run)
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+
+    args = train_args(setup, run, "data.num_workers=0", "keep_last=100", "save_interval=1", f"max_steps={MAX_STEPS + 1}")
+    assert wait(launch(args, setup["root"] / "full.log", prepare=small_files)) == 4
+    text = (setup["root"] / "full.log").read_text()
+    assert "Traceback" not in text
+    (line,) = [line for line in text.splitlines() if line.startswith("dflash train: error:")]
+    assert f"step-{MAX_STEPS + 1:08d}" in line and "draft.safetensors: File too large" in line, line
+    assert newest_intact(run, setup["reference"]) == MAX_STEPS
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    shutil.rmtree(run)
