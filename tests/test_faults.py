@@ -14,21 +14,29 @@ After each fault the next launch must resume from the newest intact checkpoint (
 the newest folder whose weights load and equal the uninterrupted run's at that step), say so when it
 falls back from a damaged one, and no fault may lose a checkpoint that was complete before it. At the
 end of each chain the weights and AdamW state are bit-identical to an uninterrupted run and
-metrics.jsonl holds every log step exactly once. Runs are forked from this process (imports are paid
-once) and two chains run at a time.
+metrics.jsonl holds every log step exactly once. Two chains run at a time (threads of this process).
+
+Runs are never forked from the pytest process: earlier tests leave it with state a SIGKILLed fork can
+poison for everyone. tqdm's write lock is a multiprocessing semaphore shared with every fork, so a run
+killed while it draws a bar leaves the lock held, and every later run and the test process itself hang
+at their next bar (seen in CI). Runs are forked instead from a forkserver that has only imported
+dflash (one thread, no tqdm lock), so imports are still paid once.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -61,23 +69,36 @@ def train_args(setup: dict, out: Path, *extra: str) -> list[str]:
             f"data.cache_dir={out}-cache", "resume_from=latest", *extra]
 
 
-def launch(args: list[str], log: Path, env: dict[str, str] | None = None, *, setsid: bool = False,
-           prepare=None) -> int:
-    """Fork a process that runs `dflash <args>` (logging to `log`, after `prepare()`); returns its pid."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
+FORKSERVER = multiprocessing.get_context("forkserver")
+# What a run imports, paid once by the server (this module too: the children unpickle `_run_dflash` from it).
+FORKSERVER.set_forkserver_preload(["test_faults", "dflash.trainer", "datasets", "pandas",
+                                   "transformers.models.llama.modeling_llama"])
+# SIGKILLed workers' fd-sharing thread may print this after its parent is gone (not the run's doing).
+ORPHANED_WORKER = re.compile(r"Traceback \(most recent call last\):\n  File \S*multiprocessing/resource_sharer\.py"
+                             r"[^\n]*in _serve\n(?:  .*\n)*?EOFError\n?")
+
+
+class Hung(Exception):
+    """A launch that did not end within its time (a hang, not a fault the drill planted)."""
+
+
+def _run_dflash(args: list[str], log: Path, env: dict[str, str], setsid: bool, file_size_limit: int) -> None:
+    """The child: `dflash <args>` with stdout and stderr (Python's and the file descriptors) in `log`."""
     code = 99
     try:
+        # A forkserver child inherits its start method; a real launch forks its DataLoader workers.
+        multiprocessing.set_start_method("fork", force=True)
         if setsid:
             os.setsid()
-        os.environ.update(env or {})
+        os.environ.update(env)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
         sys.stdout = sys.stderr = open(log, "a", buffering=1)  # noqa: SIM115 (the process ends with os._exit)
         torch.set_num_threads(1)
-        if prepare is not None:
-            prepare()
+        if file_size_limit:  # the kernel refuses a larger write with EFBIG (a full disk gives ENOSPC alike)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
         code = main(args)
     except BaseException:
         traceback.print_exc()
@@ -86,26 +107,43 @@ def launch(args: list[str], log: Path, env: dict[str, str] | None = None, *, set
         os._exit(code)
 
 
-def wait(pid: int, timeout: float = 120.0) -> int:
-    """The exit code (negative: the signal that ended it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+def launch(args: list[str], log: Path, env: dict[str, str] | None = None, *, setsid: bool = False,
+           file_size_limit: int = 0) -> multiprocessing.Process:
+    """Start `dflash <args>` in a process forked from the forkserver, logging to `log`."""
+    proc = FORKSERVER.Process(target=_run_dflash, args=(args, log, env or {}, setsid, file_size_limit))
+    proc.start()
+    if setsid:  # signals go to its group: wait until it leads one
+        deadline = time.monotonic() + 30
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:
+                if os.getpgid(proc.pid) == proc.pid:
+                    break
+            except ProcessLookupError:
+                break
+            time.sleep(0.001)
+    return proc
 
 
-def wait_for_lines(metrics: Path, before: int, lines: int, pid: int, timeout: float = 60.0) -> None:
+def wait(proc: multiprocessing.Process, log: Path, timeout: float = 180.0) -> int:
+    """The exit code (negative: the signal that ended it); `Hung` with the log's tail past `timeout`."""
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        tail = log.read_text()[-1500:] if log.exists() else ""
+        raise Hung(f"{log.name} did not end within {timeout:.0f} s; its log ends: {tail!r}")
+    return proc.exitcode
+
+
+def wait_for_lines(metrics: Path, before: int, lines: int, proc: multiprocessing.Process,
+                   timeout: float = 60.0) -> None:
     """Until metrics.jsonl has `lines` more lines than `before` (a run `lines` log steps further on)."""
     deadline = time.monotonic() + timeout
     while lines and time.monotonic() < deadline:
         if (metrics.read_text().count("\n") if metrics.exists() else 0) >= before + lines:
             return
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return  # the run ended first (left to `wait`, which reaps it)
+        if not proc.is_alive():
+            return  # the run ended first (left to `wait`)
         time.sleep(0.005)
 
 
@@ -187,18 +225,20 @@ def run_chain(setup: dict, name: str, attempts: list[dict], out_file: Path, *, w
             n = fault_count(attempt["point"], attempt.get("at", "first"), before, fresh)
             point = "save-write" if attempt["point"].startswith("save-write") else attempt["point"]
             env["DFLASH_FAULT"] = f"{point}:{n}" + (":TERM" if attempt.get("term") else "")
-        pid = launch(args, log, env, setsid=kind == "group" or attempt.get("term", False))
+        started = time.monotonic()
+        proc = launch(args, log, env, setsid=kind == "group" or attempt.get("term", False))
         if kind in ("timed", "group"):  # a random kill waits for at most the lines the run has left to log
             left = (MAX_STEPS - before) // LOG_EVERY - 1
             wait_for_lines(run / "metrics.jsonl", lines_before, attempt["lines"] if kind == "group" else
-                           min(attempt["lines"], left), pid)
+                           min(attempt["lines"], left), proc)
             time.sleep(attempt.get("delay", 0))
             if kind == "timed":
-                os.kill(pid, signal.SIGKILL)
-            else:
-                os.killpg(pid, getattr(signal, attempt["signal"]))
-        entry["status"] = wait(pid)
-        text = log.read_text()
+                proc.kill()  # a no-op when the run has already ended (its pid may be reused by then)
+            elif proc.is_alive():
+                os.killpg(proc.pid, getattr(signal, attempt["signal"]))
+        entry["status"] = wait(proc, log)
+        entry["seconds"] = round(time.monotonic() - started, 2)
+        text = log.read_text() if log.exists() else ""  # a kill can land before the run opens its log
         found = RESUMED.search(text)
         entry["resumed"] = int(found.group(2)) if found else 0
         # A launch killed before it logged its resume (start-up) decided nothing yet.
@@ -212,7 +252,7 @@ def run_chain(setup: dict, name: str, attempts: list[dict], out_file: Path, *, w
             if not said:
                 record["errors"].append(f"attempt {number}: no log line about the damaged {pending_damage}")
             pending_damage = None
-        if "Traceback" in text:
+        if "Traceback" in (ORPHANED_WORKER.sub("", text) if entry["status"] == -signal.SIGKILL else text):
             record["errors"].append(f"attempt {number}: a traceback in {log}")
         entry["after"] = newest_intact(run, reference)
         if entry["after"] < before:
@@ -230,7 +270,8 @@ def run_chain(setup: dict, name: str, attempts: list[dict], out_file: Path, *, w
                 record["errors"].append(f"AdamW state of {key} differs from the uninterrupted run")
         if not torch.equal(ours["metrics"]["buffer"], theirs["metrics"]["buffer"]):
             record["errors"].append("metric buffer differs from the uninterrupted run")
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+    metrics = run / "metrics.jsonl"
+    steps = [json.loads(line)["step"] for line in (metrics.read_text().splitlines() if metrics.exists() else [])
              if "loss" in json.loads(line)]
     if steps != list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY)):
         record["errors"].append(f"metrics.jsonl logs steps {steps}")
@@ -241,29 +282,18 @@ def run_chain(setup: dict, name: str, attempts: list[dict], out_file: Path, *, w
 
 
 def run_chains(setup: dict, chains: list[tuple], jobs: int = 2) -> list[dict]:
-    """Run drill chains `jobs` at a time, each in its own forked process."""
-    results, running, queue = [], {}, list(chains)
-    while queue or running:
-        while queue and len(running) < jobs:
-            name, attempts, options = queue.pop(0)
-            out = setup["root"] / f"{name}.json"
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    run_chain(setup, name, attempts, out, **options)
-                    code = 0
-                except BaseException:
-                    out.write_text(json.dumps({"name": name, "attempts": [], "errors": [traceback.format_exc()]}))
-                finally:
-                    os._exit(code)
-            running[pid] = out
-        pid, _ = os.wait()
-        if pid in running:
-            results.append(json.loads(running.pop(pid).read_text()))
-    return results
+    """Run drill chains `jobs` at a time (each chain a thread; its runs are processes)."""
+    def one(chain: tuple) -> dict:
+        name, attempts, options = chain
+        out = setup["root"] / f"{name}.json"
+        try:
+            run_chain(setup, name, attempts, out, **options)
+            return json.loads(out.read_text())
+        except Exception:
+            return {"name": name, "attempts": [], "errors": [traceback.format_exc()]}
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(one, chains))
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +304,7 @@ def setup(tmp_path_factory):
     reference = root / "reference"
     started = time.monotonic()
     args = train_args(setup, reference, "data.num_workers=0", "keep_last=100", "save_interval=1")  # every step kept
-    status = wait(launch(args, root / "reference.log"))
+    status = wait(launch(args, root / "reference.log"), root / "reference.log")
     assert status == 0, (root / "reference.log").read_text()[-3000:]
     setup.update(reference=reference, seconds=time.monotonic() - started,
                  reference_state=torch.load(reference / "checkpoints" / f"step-{MAX_STEPS:08d}" / "trainer_state.pt",
@@ -340,12 +370,13 @@ def test_group_signal_before_the_first_step_ends_the_run_cleanly(setup):
     process ends by the signal, nothing half-written is left, and the next launch trains from scratch."""
     run = setup["root"] / "early"
     args = train_args(setup, run, "data.num_workers=2", "keep_last=1")
-    pid = launch(args, setup["root"] / "early.log", setsid=True)
+    log = setup["root"] / "early.log"
+    proc = launch(args, log, setsid=True)
     time.sleep(0.05)
-    os.killpg(pid, signal.SIGTERM)
-    status = wait(pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    status = wait(proc, log)
     assert status in (-signal.SIGTERM, 143), status
-    assert wait(launch(args, setup["root"] / "early.2.log")) == 0
+    assert wait(launch(args, setup["root"] / "early.2.log"), setup["root"] / "early.2.log") == 0
     assert newest_intact(run, setup["reference"]) == MAX_STEPS
     shutil.rmtree(run)
 
@@ -354,21 +385,32 @@ def test_a_write_error_from_the_kernel_ends_in_one_line_and_keeps_the_checkpoint
     """A real failing write during a save: a file-size limit makes the kernel refuse the weights file
     (EFBIG; a full disk gives ENOSPC the same way). One line names the file and the cause, the exit code
     is 4, the earlier checkpoints are intact and nothing half-written is left."""
-    import resource
-
     run = setup["root"] / "full"
     shutil.copytree(setup["reference"], run)
-
-    def small_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
-
     args = train_args(setup, run, "data.num_workers=0", "keep_last=100", "save_interval=1", f"max_steps={MAX_STEPS + 1}")
-    assert wait(launch(args, setup["root"] / "full.log", prepare=small_files)) == 4
+    log = setup["root"] / "full.log"
+    assert wait(launch(args, log, file_size_limit=100_000), log) == 4
     text = (setup["root"] / "full.log").read_text()
     assert "Traceback" not in text
     (line,) = [line for line in text.splitlines() if line.startswith("dflash train: error:")]
     assert f"step-{MAX_STEPS + 1:08d}" in line and "draft.safetensors: File too large" in line, line
     assert newest_intact(run, setup["reference"]) == MAX_STEPS
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    shutil.rmtree(run)
+
+
+def test_runs_share_no_lock_with_the_test_process(setup):
+    """The CI hang, planted: this process holds tqdm's write lock (as a SIGKILLed fork that was drawing a
+    bar leaves it). A run, which draws bars, must still finish: runs come from the forkserver."""
+    from tqdm import tqdm
+
+    lock = tqdm.get_lock()
+    run, log = setup["root"] / "locked", setup["root"] / "locked.log"
+    lock.acquire()
+    try:
+        status = wait(launch(train_args(setup, run, "data.num_workers=0", "max_steps=2"), log), log, timeout=90)
+    finally:
+        lock.release()
+    assert status == 0, log.read_text()[-2000:]
+    assert "Loading weights" in log.read_text()  # it drew a bar
     shutil.rmtree(run)
