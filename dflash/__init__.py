@@ -7,6 +7,7 @@ GPU scripts import only what they use).
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -16,6 +17,8 @@ _LAZY = {
     "DFlashDraftConfig": "dflash.modeling",
     "DFlashDraftModel": "dflash.modeling",
     "FrozenTarget": "dflash.target",
+    "TensorParallelTarget": "dflash.tensor_parallel",
+    "GroupBatchTarget": "dflash.tp_overlap",
     "TrainConfig": "dflash.config",
     "DFlashTrainer": "dflash.trainer",
     "forbid_syncs": "dflash.diagnostics",
@@ -28,3 +31,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dflash' has no attribute {name!r}")
+
+
+# In a notebook with no logging configured, dflash's progress lines (regeneration, training, evaluation)
+# are shown in the cells; Python would print warnings only (`dflash.console.show_logs_in_notebook`).
+if "IPython" in sys.modules:
+    importlib.import_module("dflash.console").show_logs_in_notebook()

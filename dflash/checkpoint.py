@@ -331,8 +331,9 @@ def find_latest(run_dir: str | Path, files: tuple[str, ...] = FILES) -> Path | N
         else:
             log.warning("skipping incomplete checkpoint %s (%s)", cand, why)
     if damaged:
-        raise CheckpointError(f"no intact checkpoint in {root} ({'; '.join(damaged)}). Remove the damaged folders "
-                              "to start again from step 0, or name another checkpoint in resume_from")
+        advice = ("Remove the damaged folders to start again from step 0, or name another checkpoint in resume_from"
+                  if "trainer_state.pt" in files else "Name an intact checkpoint folder instead")  # a resume / an export
+        raise CheckpointError(f"no intact checkpoint in {root} ({'; '.join(damaged)}). {advice}")
     return None
 
 

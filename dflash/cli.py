@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import warnings
+from pathlib import Path
 
 from dflash.config import TrainConfig
 
@@ -23,6 +26,8 @@ def _train(args: argparse.Namespace) -> int:
 
         print(describe_plan(plan(config)))
         return 0
+    from dflash.console import process_rank, summary_table
+    from dflash.reporting import SUMMARY_NAME
     from dflash.stopping import EXIT_NONFINITE, NonFiniteError, interrupted_exit_code
     from dflash.trainer import DFlashTrainer
 
@@ -31,9 +36,17 @@ def _train(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         print(f"dflash train: stopped: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    print(json.dumps(summary, indent=2))
+    if process_rank() == 0:  # one table per launch; the full JSON is RUN/summary.json
+        print(json.dumps(summary, indent=2) if args.json else summary_table(summary, Path(config.output_dir) / SUMMARY_NAME))
     if summary.get("interrupted"):  # saved; a scheduler requeues it with resume_from=latest
         return interrupted_exit_code(summary.get("signal"))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from dflash.config_keys import describe_keys
+
+    print(describe_keys())
     return 0
 
 
@@ -41,26 +54,25 @@ def _eval(args: argparse.Namespace) -> int:
     from dflash.evaluate import format_report, run_eval
 
     report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
-                      max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)
+                      max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)  # target None: the draft's
     print(format_report(report))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from dflash.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
-    from dflash.export import export_draft
+    from dflash.export import export_checkpoint
 
-    path = checkpoint_folder(args.checkpoint)
-    draft_state, draft_config = load_checkpoint_draft(path)  # weights and config: the optimizer state is not read
-    out = export_draft(draft_from_checkpoint(draft_state, draft_config), args.out_dir)
+    path, out = export_checkpoint(args.checkpoint, args.out_dir)  # weights and config: no optimizer state is read
     print(f"exported {path} -> {out}")
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
     from dflash.corpus import regenerate_source
+    from dflash.preflight import check_dependencies
 
     config = TrainConfig.from_sources(args.config, args.overrides)
+    check_dependencies(config)  # before the target loads
     result = regenerate_source(config)
     print(f"{result.path}: {result.written} new replies, {result.reused} reused, skipped {result.skipped}")
     return 0
@@ -85,9 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a draft (no arguments: the embedded SmolLM2 + chitchat default)")
     train.add_argument("config", nargs="?", help="YAML config file (optional)")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 draft.num_layers=2")
-    train.add_argument("--dry-run", action="store_true", help="print the plan (target, layers, sizes) and exit")
+    train.add_argument("overrides", nargs="*",
+                       help="dotted overrides, e.g. optim.lr=3e-4 draft.num_layers=2 (`dflash config` lists every key)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the plan (target, layers, sizes, phases, time budget) and exit")
+    train.add_argument("--json", action="store_true", help="print the final summary as JSON (also RUN/summary.json)")
     train.set_defaults(func=_train)
+
+    keys = sub.add_parser("config", help="list every config key with its default, type and meaning")
+    keys.set_defaults(func=_config)
 
     gen = sub.add_parser("generate", help="answer the dataset's prompts with the target's own greedy replies (cached)")
     gen.add_argument("config", nargs="?", help="YAML config file (optional; same keys as train)")
@@ -96,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="real speculative decoding: tau, per-position acceptance, speed-up (lossless)")
     ev.add_argument("--draft", required=True, help="exported draft folder (config.json + model.safetensors)")
-    ev.add_argument("--target", default="embedded", help="target model: embedded, an HF id or a path")
+    ev.add_argument("--target", help="target model: embedded, an HF id or a path (default: the target the draft "
+                    "was trained for, from its config.json; else embedded)")
     ev.add_argument("--prompts", default="chitchat", help="chitchat (held-out split) or a conversations file/folder")
     ev.add_argument("--num-prompts", type=int, default=20)
     ev.add_argument("--max-new-tokens", type=int, default=128)
@@ -132,8 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    # Under torchrun / accelerate every rank runs this: rank 0 speaks, the others only warn and fail.
+    rank = int(os.environ.get("RANK", "0"))
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
+    if rank != 0:  # nor do the libraries' own bars and notices repeat on every rank
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        warnings.filterwarnings("ignore")
     try:
         return args.func(args)
     except (KeyError, ValueError, FileNotFoundError) as e:

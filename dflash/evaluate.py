@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dflash.corpus import split_held_out
 from dflash.embedded import chitchat_conversations
-from dflash.export import check_compatible, load_exported
+from dflash.export import check_compatible, load_exported, trained_target
 from dflash.regenerate import prompt_turns, stop_token_ids
 from dflash.runtime import load_target, resolve_device, resolve_dtype
 from dflash.sources import load_conversations
 from dflash.speculative import evaluate_speculative
+from dflash.tp_decode import decode_report, decode_session, eval_tensor_parallel, load_sharded_target
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,29 @@ def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module
     return report
 
 
+def held_out_speculative_eval(target: Any, tokenizer: Any, draft: torch.nn.Module, conversations: list[dict[str, Any]], *,
+                              rank: int, num_prompts: int, max_new_tokens: int,
+                              chain_tau: Callable[[list[tuple[list[int], list[int]]]], float] | None = None
+                              ) -> dict[str, Any] | None:
+    """SYNC POINT: a training run's real speculative decoding on its held-out prompts (`DFlashTrainer`).
+
+    `target`: the run's `FrozenTarget` (or tensor-parallel target). The report on rank 0, None on the other
+    ranks: call it on every rank (under tensor_parallel the other ranks of rank 0's group run the sharded
+    target with it in lockstep, `dflash.tp_decode`). `chain_tau(texts)`, when given, scores the decoded
+    (prompt, output) pairs teacher-forced: the held-out chain estimate on exactly these prompts and
+    outputs, so that what separates it from the real tau is numerics alone (`teacher_forced_chain_tau`)."""
+    with decode_session(target, rank) as target_model:
+        if target_model is None:
+            return None
+        report = speculative_report(target_model, tokenizer, draft, conversations, num_prompts=num_prompts,
+                                    max_new_tokens=max_new_tokens, return_texts=True)
+    texts = report.pop("texts")
+    if chain_tau is not None:
+        report["teacher_forced_chain_tau"] = chain_tau(texts)
+    log.info("speculative eval: %s", format_report(report))
+    return report
+
+
 def format_report(r: dict[str, Any]) -> str:
     per_pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"])
     ties = r.get("numerical_ties") or []
@@ -82,23 +108,35 @@ def format_report(r: dict[str, Any]) -> str:
             f"per-position acceptance: {per_pos}\nacceptance histogram (1..bs): {r['acceptance_histogram']}")
 
 
-def run_eval(draft_dir: str | Path, *, target: str = "embedded", prompts: str = "chitchat", num_prompts: int = 20,
+def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "chitchat", num_prompts: int = 20,
              max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
-             held_out_size: int = 64) -> dict[str, Any]:
-    """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft."""
+             held_out_size: int = 64, tensor_parallel: int | None = None) -> dict[str, Any]:
+    """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft.
+
+    Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
+    launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.tp_decode`);
+    every rank returns the report, rank 0 writes it."""
+    if target is None:  # the target the draft was trained for (its config.json), else the embedded one
+        target = trained_target(draft_dir) or "embedded"
+        log.info("target: %s (%s)", target, "from the draft's config.json" if trained_target(draft_dir) else "default")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    model, tokenizer = load_target(target, torch_dtype)
-    model.to(dev).eval()
     draft = load_exported(draft_dir, device=dev, dtype=torch_dtype)
+    if (tp := eval_tensor_parallel(tensor_parallel)) > 1:
+        model, tokenizer = load_sharded_target(target, draft.config.target_layer_ids, tp, device=dev, dtype=torch_dtype)
+    else:
+        model, tokenizer = load_target(target, torch_dtype)
+        model.to(dev).eval()
     check_compatible(draft.config, model)
     if prompts == "chitchat":  # the held-out split of training (prompts the draft never saw)
         _, conversations = split_held_out(chitchat_conversations(), held_out_size)
     else:
         conversations, _ = load_conversations(prompts, require_assistant=False)
-    report = speculative_report(model, tokenizer, draft, conversations, num_prompts=num_prompts,
-                                max_new_tokens=max_new_tokens)
+    run = lambda m: speculative_report(m, tokenizer, draft, conversations, num_prompts=num_prompts,
+                                       max_new_tokens=max_new_tokens)
+    report = decode_report(model, run) if tp > 1 else run(model)
     path = Path(out) if out else Path(draft_dir) / "eval.json"
-    path.write_text(json.dumps(report, indent=2))
-    log.info("wrote %s", path)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path.write_text(json.dumps(report, indent=2))
+        log.info("wrote %s", path)
     return report

@@ -30,6 +30,19 @@ names — so a wrong name there would fail silently, hence the strict key check 
 the `model.` prefix itself). The reference's `AutoModel.from_pretrained(..., trust_remote_code=True)`
 path additionally needs its modeling file and an `auto_map` entry in the folder; this exporter
 writes neither (it ships weights and config, not code).
+
+Two more keys, for readers that need them:
+* `eagle_aux_hidden_state_layer_ids` (top level): the same layers in vLLM's convention, where aux id j
+  is the hidden state entering decoder layer j (the output of layer j - 1), so it is
+  `target_layer_ids` + 1. vLLM's GPU model runner takes this key first; versions that fall back to
+  `dflash_config.target_layer_ids` without adding 1 would otherwise read each layer one too early.
+* `dflash_config.target`: the target the draft was trained for (`config.target`: "embedded", a hub id
+  or a path), which `dflash eval` takes when `--target` is not given.
+
+`dflash export` reads a `DFlashTrainer` checkpoint (or run folder) and a `transformers.Trainer`
+checkpoint folder: `DFlashHFTrainer`'s (this format plus `TRAINER_DRAFT_NAME`, the draft in its
+training dtype, which the export casts again, so the bytes are the folder's own), or a plain
+Trainer's (`objective.draft.*` weights, the config in its `dflash-draft/` export).
 """
 
 from __future__ import annotations
@@ -39,16 +52,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
 from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
 from dflash.factory import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# In a transformers.Trainer checkpoint of DFlashHFTrainer: the draft's weights in its training dtype (fp32
+# master weights by default), published names; what an exact resume loads (the bf16 file is for serving).
+TRAINER_DRAFT_NAME = "dflash_draft_state.safetensors"
+TRAINER_PREFIX = "objective.draft."  # a plain Trainer checkpoint's draft keys (DFlashTrainingModule.state_dict)
+TRAINER_EXPORT_DIR = "dflash-draft"  # DFlashCallback's export inside a plain Trainer checkpoint
 _DFLASH_CORE_KEYS = ("mask_token_id", "target_layer_ids")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -67,8 +87,9 @@ def expected_weight_names(num_layers: int, *, domino: bool = False) -> set[str]:
     return names
 
 
-def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The `config.json` dict for a draft config (Qwen3 fields + DFlash keys)."""
+def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *, target: str | None = None) -> dict[str, Any]:
+    """The `config.json` dict for a draft config (Qwen3 fields + DFlash keys); `target` is recorded as
+    `dflash_config.target` (a config read back from an export keeps its own in `extra`)."""
     dtype_name = _DTYPE_NAMES[dtype]
     n = cfg.num_hidden_layers
     reserved = set(_DFLASH_CORE_KEYS)
@@ -103,21 +124,31 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16) -
         "dtype": dtype_name,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # vLLM's convention (above)
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
             **cfg.extra,
+            **({"target": target} if target else {}),
         },
     }
 
 
-def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write `config.json` and `model.safetensors` (weights cast to `dtype`, bf16 by default)."""
+def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                 target: str | None = None) -> Path:
+    """Write `config.json` and `model.safetensors` (weights cast to `dtype`, bf16 by default); `target`:
+    the target the draft was trained for (`dflash_config.target`)."""
+    return export_state(draft.config, draft.state_dict(), out_dir, dtype=dtype, target=target,
+                        domino=isinstance(draft, DominoDraftModel))
+
+
+def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_dir: str | Path, *,
+                 dtype: torch.dtype = torch.bfloat16, target: str | None = None, domino: bool = False) -> Path:
+    """`export_draft` from a draft config and its weights (published names), e.g. a gathered state dict."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
-    cfg = draft.config
-    state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in draft.state_dict().items()}
-    expected = expected_weight_names(cfg.num_hidden_layers, domino=isinstance(draft, DominoDraftModel))
+    state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in weights.items()}
+    expected = expected_weight_names(cfg.num_hidden_layers, domino=domino)
     missing = sorted(expected - set(state))
     extra = sorted(set(state) - expected)
     if missing or extra:  # the trainer's names must be the published ones: never write a wrong file
@@ -125,8 +156,52 @@ def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(export_config(cfg, dtype), indent=2, sort_keys=True) + "\n")
+    (out / CONFIG_NAME).write_text(json.dumps(export_config(cfg, dtype, target=target), indent=2, sort_keys=True) + "\n")
     return out
+
+
+def trained_target(draft_dir: str | Path) -> str | None:
+    """The target an exported draft was trained for (`dflash_config.target`), None when not recorded."""
+    data = json.loads((Path(draft_dir) / CONFIG_NAME).read_text())
+    return (data.get("dflash_config") or {}).get("target")
+
+
+def _draft_of(config_dir: Path, weights: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    """A draft built from `config_dir/config.json` with `weights` (published names) loaded strictly."""
+    model = draft_model_for_config(draft_config_from_json(json.loads((config_dir / CONFIG_NAME).read_text())))
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def trainer_checkpoint_draft(folder: str | Path) -> DFlashDraftModel | None:
+    """The draft of a `transformers.Trainer` checkpoint folder in its training dtype, or None when `folder`
+    is not one: `DFlashHFTrainer`'s (config.json + `TRAINER_DRAFT_NAME`), or a plain Trainer's with
+    `DFlashCallback` (`model.safetensors` of `objective.draft.*` keys + `dflash-draft/config.json`)."""
+    folder = Path(folder)
+    if (folder / TRAINER_DRAFT_NAME).is_file() and (folder / CONFIG_NAME).is_file():
+        return _draft_of(folder, load_file(str(folder / TRAINER_DRAFT_NAME)))
+    if (folder / WEIGHTS_NAME).is_file() and (folder / TRAINER_EXPORT_DIR / CONFIG_NAME).is_file():
+        state = load_file(str(folder / WEIGHTS_NAME))
+        if any(k.startswith(TRAINER_PREFIX) for k in state):
+            return _draft_of(folder / TRAINER_EXPORT_DIR,
+                             {k[len(TRAINER_PREFIX):]: v for k, v in state.items() if k.startswith(TRAINER_PREFIX)})
+    return None
+
+
+def export_checkpoint(path: str | Path, out_dir: str | Path) -> tuple[Path, Path]:
+    """`dflash export PATH OUT`: (the checkpoint read, the export written). PATH is a `transformers.Trainer`
+    checkpoint folder, a `DFlashTrainer` checkpoint folder, or a run folder (its newest intact checkpoint);
+    the target comes from the folder's own config.json, or the run's config.yaml. Only weights and configs
+    are read (no optimizer state)."""
+    path = Path(path)
+    draft = trainer_checkpoint_draft(path) if path.is_dir() else None
+    if draft is not None:  # its config.json names the target (kept in the draft config's extra keys)
+        return path, export_draft(draft, out_dir)
+    folder = checkpoint_folder(path)
+    draft_state, draft_config = load_checkpoint_draft(folder)
+    run_config = folder.parent.parent / "config.yaml"  # RUN/checkpoints/step-N/ -> RUN/config.yaml
+    target = (yaml.safe_load(run_config.read_text()) or {}).get("target") if run_config.is_file() else None
+    return folder, export_draft(draft_from_checkpoint(draft_state, draft_config), out_dir, target=target)
 
 
 def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:

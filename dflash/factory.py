@@ -1,4 +1,5 @@
-"""One place that turns a `TrainConfig` into a draft and its objective, for DFlash and Domino drafts.
+"""One place that turns a `TrainConfig` into a draft and its objective, for DFlash and Domino drafts, and
+the target they train against (replicated, or sharded over a tensor-parallel group: `prepare_target`).
 
 It sits above `objective.py` and `domino.py` so neither has to know the other: the trainer, the
 `transformers.Trainer` module, the dry run (on the meta device) and checkpoint / export loading all
@@ -8,6 +9,7 @@ build through here, so a Domino draft is sized the same way everywhere.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -19,7 +21,12 @@ from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, i
 from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import DFlashObjective
+from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
 from dflash.target import FrozenTarget, resolve_mask_token_id
+from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
+from dflash.tp_overlap import GroupBatchTarget, schedule_for
+
+log = logging.getLogger("dflash")
 
 
 def configured_mask_token(config: TrainConfig) -> int | str | None:
@@ -48,23 +55,81 @@ def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
     return DominoDraftModel(cfg) if is_domino(cfg) else DFlashDraftModel(cfg)
 
 
+def _hf_model(target_model: Any) -> Any:
+    """The HF causal LM of a target: itself, or the (sharded) model a `TensorParallelTarget` holds."""
+    return target_model.model if isinstance(target_model, TensorParallelTarget) else target_model
+
+
 def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlashDraftModel:
-    """A freshly initialised draft (DFlash or Domino, by `draft.kind`) shaped for `target_model`."""
-    vocab_rows = target_model.get_input_embeddings().weight.shape[0]
-    return draft_model_for_config(draft_config_for(config, target_model.config, tokenizer, vocab_rows))
+    """A freshly initialised draft (DFlash or Domino, by `draft.kind`) shaped for `target_model` (an HF
+    causal LM or a `TensorParallelTarget`: its embedding is whole on every rank)."""
+    model = _hf_model(target_model)
+    vocab_rows = model.get_input_embeddings().weight.shape[0]
+    return draft_model_for_config(draft_config_for(config, model.config, tokenizer, vocab_rows))
+
+
+def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: torch.device,
+                   dtype: torch.dtype) -> tuple[Any, Any]:
+    """(target, tokenizer) that `build_objective` takes: the model passed in, else `config.target` loaded.
+
+    With `tensor_parallel.size` > 1 (process group initialised, world size a multiple of it) a
+    `TensorParallelTarget` over this rank's group of a (dp x tp) mesh: from a checkpoint (`config.target`:
+    a folder, a hub id or "embedded") each rank builds the model on the meta device and reads only its
+    shards; a model passed in is sharded in place. Heads and KV heads are checked against the size
+    (`check_tp_support`) before any weight is read."""
+    size = config.tensor_parallel.size
+    if size == 1 or isinstance(target, TensorParallelTarget):
+        if target is None:
+            target, loaded = load_target(config.target, dtype)
+            tokenizer = tokenizer or loaded
+        return target, tokenizer
+    hf_config = target.config if target is not None else load_target_config(config.target)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    check_tp_support(text, size)
+    mesh = tp_mesh(size, device.type)
+    if config.data.regenerate:
+        log.warning("tensor_parallel.size=%d: HF generate() cannot run a sharded target, so data.regenerate reads the "
+                    "target's replies from the cache only (a prompt not answered there stops the run)", size)
+    schedule = schedule_for(config.tensor_parallel.overlap)
+    if target is not None:  # the draft's layer ids from its config alone (no weights, no RNG drawn)
+        rows = target.get_input_embeddings().weight.shape[0]
+        layer_ids = draft_config_for(config, hf_config, tokenizer, rows).target_layer_ids
+        return TensorParallelTarget(target, layer_ids, mesh, schedule=schedule), tokenizer
+    tokenizer = tokenizer or load_tokenizer(config.target)
+    layer_ids = draft_config_for(config, hf_config, tokenizer, text.vocab_size).target_layer_ids
+    return TensorParallelTarget.from_pretrained(target_location(config.target), layer_ids, mesh, dtype=dtype,
+                                                device=device, schedule=schedule), tokenizer
+
+
+def _frozen_target(config: TrainConfig, target_model: Any, layer_ids: list[int]) -> nn.Module:
+    """`FrozenTarget` of an HF model, or for a `TensorParallelTarget` the group-batch view of it: every
+    rank's micro-batch is padded to `data.max_length` so that the TP group gathers one shape (sync-free;
+    the draft keeps each rank's own length)."""
+    if isinstance(target_model, TensorParallelTarget):
+        tp = target_model
+        if tp.layer_ids != list(layer_ids):  # a draft passed in (warm start) reads its own layers
+            tp = TensorParallelTarget(tp.model, layer_ids, tp.group, schedule=tp.schedule, _sharded=True)
+        return GroupBatchTarget(tp, length=config.data.max_length)
+    if config.tensor_parallel.size > 1:
+        raise ValueError("tensor_parallel.size > 1 needs the target from dflash.factory.prepare_target (DFlashTrainer "
+                         "does this); the transformers.Trainer path does not support tensor parallelism: set "
+                         "tensor_parallel.size: 1 there")
+    return FrozenTarget(target_model, layer_ids)
 
 
 def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
                     dtype: torch.dtype, draft: nn.Module | None = None) -> DFlashObjective:
-    """The objective for `config.draft.kind` around `target_model` (frozen, moved to `device` / `dtype`).
+    """The objective for `config.draft.kind` around `target_model` (frozen, moved to `device` / `dtype`):
+    an HF causal LM, or a `TensorParallelTarget` (`prepare_target`) run on the group's batch.
 
     `draft` replaces the fresh draft (a warm start, a test's own); its weights stay fp32 (AdamW master
     weights) and the forward runs under autocast below fp32."""
     draft = draft if draft is not None else build_draft(config, target_model, tokenizer)
-    target = FrozenTarget(target_model, draft.config.target_layer_ids).to(device, dtype)
+    target = _frozen_target(config, target_model, draft.config.target_layer_ids).to(device, dtype)
     ds = config.draft
     common = dict(num_anchors=ds.num_anchors, attention=resolve_attention(ds.attention, device), dtype=dtype,
-                  gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels)
+                  gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,
+                  position_weights=ds.position_weights, dpace_alpha=ds.dpace_alpha)
     draft = draft.to(device, torch.float32)
     if ds.kind == "domino":
         d = config.domino

@@ -14,6 +14,7 @@ import torch
 
 from dflash.anchors import max_valid_anchors
 from dflash.chain import chain_tau_sums
+from dflash.console import progress
 from dflash.data import Collator, make_dataloader
 from dflash.losses import accepted_prefix_length
 from dflash.metrics import Metrics
@@ -36,7 +37,8 @@ def held_out_metrics(objective: DFlashObjective, dataset: Any, collator: Collato
     metrics = Metrics(objective.block_size, device, objective.metrics_variant)
     emitted = forwards = 0
     objective.eval()
-    for i, batch in enumerate(loader):
+    total = len(loader) if max_batches is None else min(len(loader), max_batches)
+    for i, batch in enumerate(progress(loader, desc="held-out eval", total=total, unit="batch")):
         if max_batches is not None and i >= max_batches:
             break
         ids = batch["input_ids"].to(device)

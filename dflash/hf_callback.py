@@ -13,7 +13,7 @@ from transformers import Trainer, TrainerCallback
 
 from dflash.diagnostics import DFlashSyncWarning, per_step_sync_settings
 from dflash.export import export_draft
-from dflash.hf_module import DFlashTrainingModule, unwrap_model
+from dflash.hf_module import DFlashTrainingModule, check_config_against_args, unwrap_model
 from dflash.reporting import Reporter
 
 EXPORT_DIRNAME = "dflash-draft"  # the published-format draft inside each Trainer checkpoint folder
@@ -25,15 +25,17 @@ _NOT_FED = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 class DFlashCallback(TrainerCallback):
     """DFlash metrics, schedule step and export for a `transformers.Trainer` run.
 
-    * on_train_begin: attaches `Metrics` accumulators to the module, sets its anchor counter from
-      `state.global_step` (exact resume), binds a device step tensor to the objective's schedule
-      (`bind_schedule(step_t, max_steps)`, e.g. Domino's λ) and warns once per sync-adding setting.
+    * on_train_begin: refuses a module TrainConfig that contradicts TrainingArguments (`config_conflicts`),
+      attaches `Metrics` accumulators to the module, sets its anchor counter from `state.global_step`
+      and its anchor seed from `args.seed` (exact resume), binds a device step tensor to the objective's
+      schedule (`bind_schedule(step_t, max_steps)`, e.g. Domino's λ) and warns once per sync-adding setting.
     * on_step_end: `step_t.add_(1)` and a step count, on the device (no host→device copy).
     * on_log: at a training log, one `Metrics.flush()` (the only sync this callback makes) whose
       values go into `logs` as `dflash_*` (per-position accuracy as `dflash_pos_acc_{k}`) and into
       `RUN/metrics.jsonl` in `DFlashTrainer`'s format (`dflash.plot.plot_run` reads it); at an
       evaluation log, the same for the evaluation sums as `{prefix}_dflash_*`.
-    * on_save: `export_draft` into `checkpoint-N/dflash-draft` (config.json + bf16 safetensors).
+    * on_save: `export_draft` into `checkpoint-N/dflash-draft` (config.json + bf16 safetensors); off
+      under `DFlashHFTrainer`, whose checkpoint folders are themselves that format.
 
     `logs` reach `state.log_history` and every callback after this one. Reporting integrations
     (TensorBoard, W&B, ...) run *before* user callbacks in the Trainer's list; to have them see the
@@ -81,6 +83,7 @@ class DFlashCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         module = self._module(model)
+        check_config_against_args(module, args)
         for message in per_step_sync_settings(args):
             self._warn_once(message)
         if args.report_to and args.report_to != ["none"] and not self.placed_first:
@@ -141,7 +144,7 @@ class DFlashCallback(TrainerCallback):
         if not self.export or self.module is None or not state.is_world_process_zero:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}" / EXPORT_DIRNAME
-        self.exports.append(export_draft(self.module.draft, folder))  # SYNC POINT: a checkpoint
+        self.exports.append(export_draft(self.module.draft, folder, target=self.module.target_name))  # SYNC POINT
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._reporter is not None:

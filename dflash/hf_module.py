@@ -5,7 +5,9 @@ How the Trainer path normalizes the loss, and how the pieces fit: `dflash.hf`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ from transformers.utils import ModelOutput
 from dflash.anchors import reseed
 from dflash.config import TrainConfig
 from dflash.data import Collator
+from dflash.embedded import EMBEDDED_TARGET_NAME, cache_root
 from dflash.factory import build_objective
 from dflash.losses import BlockTargets
 from dflash.metrics import Metrics
@@ -23,6 +26,15 @@ from dflash.objective import DFlashObjective
 from dflash.runtime import resolve_device, resolve_dtype
 
 _TARGET_PREFIX = "objective.target."  # state_dict keys of the frozen target (never saved)
+# TrainConfig keys that the Trainer's own loop replaces on this path, with the TrainingArguments field that
+# wins. A key set away from its default to another value than that field is refused (`config_conflicts`).
+TRAINER_OWNS = {
+    "optim.lr": "learning_rate", "optim.weight_decay": "weight_decay", "optim.beta1": "adam_beta1",
+    "optim.beta2": "adam_beta2", "optim.eps": "adam_epsilon", "optim.max_grad_norm": "max_grad_norm",
+    "optim.grad_accum": "gradient_accumulation_steps", "optim.warmup_ratio": "warmup_steps",
+    "optim.min_lr_ratio": "lr_scheduler_kwargs", "max_steps": "max_steps", "batch_size": "per_device_train_batch_size",
+    "seed": "seed", "device": "device",
+}
 
 
 @dataclass
@@ -78,6 +90,8 @@ class DFlashTrainingModule(nn.Module):
         self.metrics: Metrics | None = None
         self.eval_metrics: Metrics | None = None
         self._generator: torch.Generator | None = None
+        self.config: TrainConfig | None = None  # set by from_config: checked against TrainingArguments
+        self.target_name: str | None = None  # what the export records as the draft's target
 
     @classmethod
     def from_config(cls, config: TrainConfig, target_model: Any, tokenizer: Any, *, draft: nn.Module | None = None,
@@ -91,7 +105,9 @@ class DFlashTrainingModule(nn.Module):
         config.validate()
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
-        return cls(objective, seed=config.seed)
+        module = cls(objective, seed=config.seed)
+        module.config, module.target_name = config, trained_for(config, target_model)
+        return module
 
     # ---- parts -------------------------------------------------------------------------------
 
@@ -177,6 +193,62 @@ class DFlashTrainingModule(nn.Module):
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(f"draft state mismatch: missing {missing}, unexpected {result.unexpected_keys}")
         return result._replace(missing_keys=missing)
+
+
+def trained_for(config: TrainConfig, target_model: Any) -> str | None:
+    """The target name an export records: `config.target` when the config names one; for the default
+    ("embedded") the model's own `name_or_path` ("embedded" for the cached SmolLM2 folder), or None when
+    the model does not say (built from a config)."""
+    if config.target != TrainConfig.target:
+        return config.target
+    path = getattr(target_model, "name_or_path", "") or ""
+    if not path:
+        return None
+    return "embedded" if Path(path).resolve() == (cache_root() / EMBEDDED_TARGET_NAME).resolve() else path
+
+
+def _value(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _agrees(key: str, mine: Any, args: Any) -> bool:
+    """Whether TrainConfig's `key` = `mine` says what TrainingArguments already does."""
+    theirs = getattr(args, TRAINER_OWNS[key])
+    if key == "device":
+        wanted = torch.device(mine)
+        return wanted.type == args.device.type and wanted.index in (None, args.device.index)
+    if key == "optim.warmup_ratio":  # warmup_steps below 1 is a ratio of the steps, else a step count
+        theirs = theirs if theirs < 1 else theirs / max(args.max_steps, 1)
+    if key == "optim.min_lr_ratio":  # the stock schedule's floor: lr_scheduler_type="cosine_with_min_lr"
+        theirs = (theirs or {}).get("min_lr_rate", 0.0) if "min_lr" in str(args.lr_scheduler_type) else 0.0
+    if isinstance(mine, float) or isinstance(theirs, float):
+        return math.isclose(float(mine), float(theirs), rel_tol=1e-9, abs_tol=1e-12)
+    return mine == theirs
+
+
+def config_conflicts(config: TrainConfig, args: Any) -> list[str]:
+    """The TrainConfig keys set (away from their defaults) to something the Trainer will not do, each as
+    "key=value, but TrainingArguments.field=value": on this path TrainingArguments wins for the optimizer,
+    schedule, steps, batch, seed and device (`TRAINER_OWNS`). Empty when they agree."""
+    default = TrainConfig()
+    return [f"{key}={_value(config, key)!r}, but TrainingArguments.{field}={getattr(args, field)!r}"
+            for key, field in TRAINER_OWNS.items()
+            if _value(config, key) != _value(default, key) and not _agrees(key, _value(config, key), args)]
+
+
+def check_config_against_args(module: Any, args: Any) -> None:
+    """Refuse a module's TrainConfig that asks for what TrainingArguments overrides (a ValueError listing
+    each key and the argument to set instead); then the anchors follow `args.seed` like the rest of the run."""
+    config = getattr(module, "config", None)
+    if config is not None:
+        conflicts = config_conflicts(config, args)
+        if conflicts:
+            raise ValueError("on the transformers.Trainer path TrainingArguments runs the optimizer, schedule, steps, "
+                             "batch, seed and device; these TrainConfig values would be ignored (set them in "
+                             "TrainingArguments, or leave them at their defaults):\n  " + "\n  ".join(conflicts))
+    module.seed = args.seed
 
 
 def dflash_collator(tokenizer: Any, config: TrainConfig) -> Any:

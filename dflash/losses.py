@@ -92,10 +92,10 @@ def window_loss_scale(targets: Sequence[BlockTargets], world_size: int) -> tuple
 
 
 def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-    """(weighted CE sum `[]`, log-sum-exp `[..]`, argmax == label `[..]`) of fp32 `logits` `[.., V]`."""
+    """(weighted CE per row `[..]`, log-sum-exp `[..]`, argmax == label `[..]`) of fp32 `logits` `[.., V]`."""
     lse = torch.logsumexp(logits, dim=-1)
     target = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return (weights * (lse - target)).sum(), lse, logits.argmax(dim=-1) == labels
+    return weights * (lse - target), lse, logits.argmax(dim=-1) == labels
 
 
 def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -113,7 +113,7 @@ def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, sca
 
 def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool):
     """One chunk of the weighted CE on `[c, V]` logits of any float dtype, with the math in fp32:
-    (loss sum `[]`, correct `[c]`, d loss / d logits `[c, V]` in the logits' dtype, or None).
+    (weighted CE per row `[c]`, correct `[c]`, d loss / d logits `[c, V]` in the logits' dtype, or None).
 
     Eagerly the fp32 copy is the only extra `[c, V]` buffer (the gradient's softmax is written over it,
     `_ce_grad_`). Compiled (`_compiled_ce_chunk`), the cast, log-sum-exp, argmax and gradient fuse
@@ -121,10 +121,10 @@ def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
     gradient in the logits' dtype) and no fp32 `[c, V]` tensor is stored at all.
     """
     x = logits.float()
-    loss, lse, correct = _ce_stats(x, labels, weights)
+    rows, lse, correct = _ce_stats(x, labels, weights)
     if not need_grad:
-        return loss, correct, None
-    return loss, correct, _ce_grad_(x, lse, labels, weights).to(logits.dtype)
+        return rows, correct, None
+    return rows, correct, _ce_grad_(x, lse, labels, weights).to(logits.dtype)
 
 
 @functools.cache
@@ -133,37 +133,37 @@ def _compiled_ce_chunk():
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_t w_t * CE(hidden_t @ W^T, y_t), chunked over tokens so `[T, V]` logits never exist at once.
+    """w_t * CE(hidden_t @ W^T, y_t) per token, chunked over tokens so `[T, V]` logits never exist at once.
 
     The head W is frozen, so the gradient w.r.t. `hidden` is computed chunk by chunk in the forward
-    pass (d loss / d logits = w * (softmax - onehot)) and the backward only scales it: one pass over
-    the vocabulary instead of a stored or recomputed logits tensor. Log-sum-exp in fp32.
+    pass (d loss / d logits = w * (softmax - onehot)) and the backward only scales each row of it: one
+    pass over the vocabulary instead of a stored or recomputed logits tensor. Log-sum-exp in fp32.
+    The per-row output lets a caller weigh rows by values known only after this forward (D-PACE).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_weights, chunk_size, compiled):  # noqa: D401
         needs_grad = hidden.requires_grad
         chunk = _compiled_ce_chunk() if compiled else _ce_chunk
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             logits = hidden[start:end].to(weight.dtype) @ weight.t()  # [c, V] in the head's dtype
-            part, correct[start:end], grad_logits = chunk(logits, labels[start:end], token_weights[start:end],
-                                                          needs_grad)
-            total = total + part
+            rows[start:end], correct[start:end], grad_logits = chunk(logits, labels[start:end],
+                                                                     token_weights[start:end], needs_grad)
             if needs_grad:
                 grad_hidden[start:end] = (grad_logits @ weight).to(hidden.dtype)
         if needs_grad:
             ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
-        return total, correct
+        return rows, correct
 
     @staticmethod
-    def backward(ctx, grad_total, grad_correct):
+    def backward(ctx, grad_rows, grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_rows.to(grad_hidden.dtype).unsqueeze(-1), None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -173,17 +173,37 @@ def linear_cross_entropy(
     token_weights: torch.Tensor,
     chunk_size: int = 4096,
     compiled: bool = False,
+    *,
+    per_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted CE sum through a frozen LM head, and per-token argmax correctness.
 
     Args:
         hidden: `[T, H]` draft states; weight: `[V, H]` frozen head; labels: `[T]` long;
         token_weights: `[T]` float (0 drops a token); chunk_size: tokens per vocabulary pass;
-        compiled: run each chunk's CE through torch.compile (`compile: true`; see `_ce_chunk`).
+        compiled: run each chunk's CE through torch.compile (`compile: true`; see `_ce_chunk`);
+        per_row: return the weighted CE of every token `[T]` instead of their sum.
     Returns:
-        (loss_sum `[]` fp32, differentiable w.r.t. hidden; correct `[T]` bool, detached).
+        (loss_sum `[]` fp32 (or `[T]` with `per_row`), differentiable w.r.t. hidden; correct `[T]` bool,
+        detached).
     """
-    return _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size, compiled)
+    rows, correct = _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size,
+                                              compiled)
+    return (rows if per_row else rows.sum()), correct
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights `[..., K]` (arXiv 2605.18810) for the per-slot CE `[..., K]` of blocks.
+
+    From the draft's own confidence q_i = exp(-CE_i), smoothed q~_i = (1 - alpha) * q_i + alpha, slot j
+    weighs w_j = sum_{m >= j} prod_{i <= m} q~_i: the expected accepted length that slot j's correctness
+    is part of, so the signal goes to the positions that currently end acceptance. An invalid slot ends
+    its block's chain (q~ = 0 there: a decoder's block does not run past it) and weighs 0. The weights
+    are detached: they rescale the CE, they are not trained through."""
+    q = torch.exp(-ce.detach().float())
+    chain = torch.cumprod(torch.where(valid, (1 - alpha) * q + alpha, 0.0), dim=-1)
+    weights = chain.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(valid, weights, 0.0)
 
 
 def accepted_prefix_length(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -239,8 +259,8 @@ class _DominoLinearCrossEntropy(torch.autograd.Function):
             del delta
             f_sum, f_lse, f_hit = _ce_stats(final, y, w)
             b_sum, b_lse, b_hit = _ce_stats(base, y, w)
-            final_sum += f_sum
-            base_sum += b_sum
+            final_sum += f_sum.sum()
+            base_sum += b_sum.sum()
             final_correct[start:end], base_correct[start:end] = f_hit, b_hit
             if not (need_h or need_u or need_w2):
                 continue

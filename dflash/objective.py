@@ -21,6 +21,7 @@ from dflash.losses import (
     block_labels,
     block_targets,
     decay_gamma,
+    dpace_weights,
     linear_cross_entropy,
 )
 from dflash.metrics import Metrics
@@ -49,13 +50,16 @@ class DFlashObjective(nn.Module):
         attention: "sdpa" (dense boolean mask) or "flex" (BlockMask; GPU).
         dtype: compute dtype; below fp32 the forward runs under autocast, the draft stays fp32.
         gamma: the loss's position decay ("auto", a number, or None: off; `losses.decay_gamma`).
+        position_weights: "decay" (by `gamma`), "dpace" (`losses.dpace_weights`, smoothed by `dpace_alpha`;
+            the window's denominator is then its supervised-slot count, known before the first backward
+            and global over micro-batches and ranks) or "none".
     """
 
     metrics_variant = "dflash"  # which Metrics layout this objective fills (Domino adds base metrics)
 
     def __init__(self, target: FrozenTarget, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32, gamma: float | str | None = "auto", ce_chunk_size: int = 4096,
-                 labels: str = "data") -> None:
+                 labels: str = "data", position_weights: str = "decay", dpace_alpha: float = 0.5) -> None:
         super().__init__()
         if target.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -67,7 +71,9 @@ class DFlashObjective(nn.Module):
         self.num_anchors = num_anchors
         self.attention = attention
         self.dtype = dtype
-        self.gamma = decay_gamma(gamma, self.block_size)
+        # D-PACE and "none" plan unit weights: the denominator is the supervised-slot count.
+        self.gamma = decay_gamma(gamma, self.block_size) if position_weights == "decay" else None
+        self.position_weights, self.dpace_alpha = position_weights, dpace_alpha
         self.ce_chunk_size = ce_chunk_size
         self.labels = labels
         self.compile_loss = False  # torch.compile each CE chunk (the trainer sets it under `compile: true`)
@@ -120,16 +126,22 @@ class DFlashObjective(nn.Module):
         hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets)
         # Slot 0 is never scored: drop it before the LM head (1/bs of the head's FLOPs).
         scored = hidden[:, :, 1:]
-        loss_sum, correct = linear_cross_entropy(
+        dpace = self.position_weights == "dpace"
+        ce, correct = linear_cross_entropy(
             scored.reshape(-1, scored.shape[-1]),
             self.target.lm_head_weight,
             labels[..., 1:].reshape(-1),
             targets.weights[..., 1:].reshape(-1),
             self.ce_chunk_size,
             compiled=self.compile_loss,
+            per_row=dpace,
         )
         correct = correct.view(*scored.shape[:3])
-        return BlockOutput(loss_sum=loss_sum, ce_sum=loss_sum.detach(), correct=correct)
+        if not dpace:
+            return BlockOutput(loss_sum=ce, ce_sum=ce.detach(), correct=correct)
+        # The slots' CE are known only now: D-PACE weighs them by the draft's own confidence (detached).
+        weights = dpace_weights(ce.view(*scored.shape[:3]), targets.valid[..., 1:], self.dpace_alpha)
+        return BlockOutput(loss_sum=(weights.flatten() * ce).sum(), ce_sum=ce.sum().detach(), correct=correct)
 
     # ---- metrics --------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dflash.console import ProgressBar
+
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
@@ -248,6 +250,7 @@ def regenerate(
     limit: int | None = None,
     target_name: str | None = None,
     earlier: str | os.PathLike[str] | None = None,
+    progress: bool = True,
 ) -> RegenerateResult:
     """Write the target's greedy replies to the prompts of ``conversations`` to ``out_path`` (JSONL).
 
@@ -265,6 +268,8 @@ def regenerate(
     only the later turns are generated (with a ``turns=N-1`` file, only turn N). A truncated reply
     taken over ends the conversation there, as if it had just been generated; a row that ended early
     for another reason (a prompt too long, an empty reply) has its next turn asked again.
+
+    ``progress``: a progress bar over the prompts (rank 0, unless `dflash.console.set_progress_bars(False)`).
     """
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +300,9 @@ def regenerate(
     # batch costs as much as its longest.
     pending.sort(key=lambda chat: len(_prompt_ids(tokenizer, [*chat.messages, *chat.todo[:1]])))
     model.eval()
+    if result.reused:
+        logger.info("%s: %d prompts already answered (cached), %d to ask", path, result.reused, len(pending))
+    bar = ProgressBar(len(pending), desc="regenerating", unit="prompt", enabled=progress) if pending else None
     with open(path, "a", encoding="utf-8") as f:
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
@@ -313,7 +321,11 @@ def regenerate(
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 result.written += 1
             f.flush()  # a finished batch survives an interruption
-            logger.info("regenerated %d/%d prompts", min(start + batch_size, len(pending)), len(pending))
+            bar.update(len(batch))  # the bar shows it; without one (other ranks, progress off) a log line does
+            logger.log(logging.DEBUG if bar.enabled else logging.INFO, "regenerated %d/%d prompts",
+                       min(start + batch_size, len(pending)), len(pending))
+    if bar is not None:
+        bar.close()
     logger.info("%s: %d new rows (%d replies in them taken from %s), %d reused, skipped %s, %d batches split "
                 "for memory", path, result.written, result.turns_reused, earlier, result.reused, result.skipped,
                 result.batches_split)

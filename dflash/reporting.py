@@ -12,31 +12,61 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("dflash")
+SUMMARY_NAME = "summary.json"  # RUN/summary.json: what `fit` returned, in full
 
 
 def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}/{max_steps}"]
     for key, fmt in (("loss", ".4f"), ("accuracy", ".3f"), ("tau", ".3f"), ("lr", ".2e"), ("grad_norm", ".3f"),
-                     ("tokens_per_s", ".0f"), ("eval_tau", ".3f"), ("eval_chain_tau", ".3f"), ("eval_accuracy", ".3f"),
+                     ("tokens_per_s", ",.0f"), ("eval_tau", ".3f"), ("eval_chain_tau", ".3f"), ("eval_accuracy", ".3f"),
                      ("nonfinite_skips", ".0f")):
         if key in metrics and (key != "nonfinite_skips" or metrics[key]):
-            parts.append(f"{key} {metrics[key]:{fmt}}" if metrics[key] is not None else f"{key} n/a")
+            label = "tokens/s" if key == "tokens_per_s" else key
+            parts.append(f"{label} {metrics[key]:{fmt}}" if metrics[key] is not None else f"{label} n/a")
+            if key == "tokens_per_s" and metrics.get("ranks", 1) > 1 and metrics.get("tokens_per_s_per_rank"):
+                parts[-1] += f" over {metrics['ranks']} ranks ({metrics['tokens_per_s_per_rank']:,.0f} per rank)"
     return " | ".join(parts)
 
 
-def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int) -> dict[str, Any]:
+def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int, world_size: int = 1) -> dict[str, Any]:
     """A flushed window as it is logged: throughput added, and the loss None when no update of the window
-    was finite (skipped and empty steps add no supervised weight; 0.0 would read as a perfect draft)."""
-    out = {**flushed, "tokens_per_s": tokens / elapsed, "supervised_tokens_per_s": flushed["supervised_tokens"] / elapsed}
+    was finite (skipped and empty steps add no supervised weight; 0.0 would read as a perfect draft).
+
+    One unit, input tokens per second (the rows of every batch at their padded length): `tokens_per_s`
+    over all ranks (this rank's count times `world_size`: every rank takes as many rows per step, each
+    batch padded to its own bucket, so it is within the buckets' spread) and `tokens_per_s_per_rank`;
+    `supervised_tokens_per_s` counts the supervised tokens of all ranks (exact: a flushed sum)."""
+    per_rank = tokens / elapsed
+    out = {**flushed, "tokens_per_s": per_rank * world_size, "tokens_per_s_per_rank": per_rank, "ranks": world_size,
+           "supervised_tokens_per_s": flushed["supervised_tokens"] / elapsed}
     if out.get("loss") == 0.0 and (out.get("nonfinite_skips") or out.get("empty_windows")):
         out.update({k: None for k in ("loss", "base_loss") if k in out})
     return out
 
 
 def progress_postfix(metrics: dict[str, Any]) -> str:
-    """The progress bar's summary of a window."""
+    """The progress bar's summary of a window (tokens/s over all ranks)."""
     loss = metrics.get("loss")
-    return f"loss={'n/a' if loss is None else f'{loss:.3f}'}, tau={metrics['tau']:.2f}, tok_s={metrics['tokens_per_s']:.0f}"
+    return f"loss={'n/a' if loss is None else f'{loss:.3f}'}, tau={metrics['tau']:.2f}, tok/s={metrics['tokens_per_s']:,.0f}"
+
+
+def write_summary(run_dir: str | Path, summary: dict[str, Any], *, enabled: bool = True) -> dict[str, Any]:
+    """Write RUN/summary.json, the whole summary `fit` returns (the console shows a short table of it), when
+    `enabled` (rank 0); returns `summary`."""
+    if enabled:
+        path = Path(run_dir) / SUMMARY_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def split_warning(train_rows: int, held_out_rows: int) -> str | None:
+    """A warning when the held-out rows outnumber the training rows (a `data.limit` too small for
+    `data.eval_size`), else None."""
+    if held_out_rows > train_rows:
+        return (f"{held_out_rows} held-out rows outnumber the {train_rows} training rows: data.limit is too small for "
+                "data.eval_size (raise data.limit, or lower data.eval_size)")
+    return None
 
 
 def truncate_history(path: str | Path, step: int, size: int | None = None) -> int:

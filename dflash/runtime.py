@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash.embedded import load_embedded_target
+from dflash.embedded import embedded_target_dir, load_embedded_target
+
+if TYPE_CHECKING:  # annotations only
+    from dflash.config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the config's dtype names
 
@@ -50,19 +54,63 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def target_location(name: str) -> str:
+    """What `from_pretrained` reads for `config.target`: the embedded target's converted folder, a local
+    folder or a hub id. A path that names no folder is a FileNotFoundError (not a hub lookup)."""
+    if name == "embedded":
+        return str(embedded_target_dir())
+    path = Path(name).expanduser()
+    if not path.is_dir() and (path.exists() or path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
+        raise FileNotFoundError(f"target={name}: no such model folder")  # a path, not a hub id
+    return name
+
+
+def _from_pretrained(name: str, load: Callable[[str], Any]) -> Any:
+    """`load(location)` of `config.target`, transformers' OSError for a missing folder or an unreachable hub
+    id turned into a one-line FileNotFoundError."""
+    location = target_location(name)
+    try:
+        return load(location)
+    except OSError as e:  # keep its first line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "the model folder" if Path(location).expanduser().is_dir() else "not a local folder, and the hub"
+        raise FileNotFoundError(f"target={name} could not be loaded ({where}: {reason})") from None
+
+
 def load_target(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """(model, tokenizer) for "embedded" or any HF model id / local path."""
     if name == "embedded":
         return load_embedded_target(dtype=dtype)
-    path = Path(name).expanduser()
-    if not path.is_dir() and (path.exists() or path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
-        raise FileNotFoundError(f"target={name}: no such model folder")  # a path, not a hub id
-    try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
-    except OSError as e:  # transformers' answer to a missing folder or an unreachable hub id: keep its first line
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        where = "the model folder" if path.is_dir() else "not a local folder, and the hub"
-        raise FileNotFoundError(f"target={name} could not be loaded ({where}: {reason})") from None
+    return _from_pretrained(name, lambda where: (AutoModelForCausalLM.from_pretrained(where, dtype=dtype),
+                                                 AutoTokenizer.from_pretrained(where)))
+
+
+def load_target_config(name: str) -> Any:
+    """The HF config of `config.target` (no weights read)."""
+    return _from_pretrained(name, AutoConfig.from_pretrained)
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of `config.target` (no weights read)."""
+    return _from_pretrained(name, AutoTokenizer.from_pretrained)
+
+
+def check_run_settings(config: TrainConfig, world_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Settings that this launch (its process count, device and compute dtype) cannot run, refused at start
+    with the fix."""
+    if config.param_dtype == "bfloat16" and dtype != torch.bfloat16:
+        raise ValueError("param_dtype: bfloat16 needs dtype: bfloat16 (bf16 weights under an fp32 compute dtype)")
+    if world_size > 1 and config.distributed == "fsdp2" and config.cuda_graph:
+        raise ValueError("cuda_graph: true does not work with distributed: fsdp2 (FSDP2's per-layer "
+                         "all-gathers and reduce-scatters are driven by host-side hooks); use "
+                         "distributed: ddp or cuda_graph: false")
+    if config.cuda_graph and device.type != "cuda":
+        raise ValueError("cuda_graph: true needs a CUDA device")
+    tp = config.tensor_parallel.size
+    if world_size % tp:
+        raise ValueError(f"tensor_parallel.size={tp} needs a number of processes that is a multiple of it, and this "
+                         f"launch has {world_size}: launch a multiple of {tp} processes (torchrun --nproc_per_node "
+                         f"{tp} -m dflash train ...), or set tensor_parallel.size to a divisor of {world_size}")
 
 
 def init_distributed() -> tuple[int, int]:

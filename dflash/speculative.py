@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.console import progress
 from dflash.domino import DominoDraftModel, domino_propose
 from dflash.modeling import DFlashDraftModel
 from dflash.target import capture_layer_outputs
@@ -396,7 +397,7 @@ def evaluate_speculative(
         speculative_generate(target_model, draft, prompts[0], max_new_tokens=min(max_new_tokens, 2 * bs),
                              stop_token_ids=stops, block_size=bs)
     spec_results, base_results, ties = [], [], []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(progress(prompts, desc="speculative eval", unit="prompt")):
         base = target_generate(target_model, prompt, max_new_tokens, stops)
         spec = speculative_generate(target_model, draft, prompt, max_new_tokens=max_new_tokens,
                                     stop_token_ids=stops, block_size=bs)

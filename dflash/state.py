@@ -41,10 +41,12 @@ log = logging.getLogger("dflash")
 # accepted and logged key by key: the schedule and optimizer values (optim.lr, warmup_ratio, min_lr_ratio,
 # max_grad_norm, weight decay, betas; max_steps, which rescales the cosine from the resumed step on) are
 # what one changes on purpose to extend a run or calm a diverging one, and the rest (intervals, budgets,
-# reporting, compile, distributed mode) does not change what a step computes.
+# reporting, compile, distributed mode) does not change what a step computes. `tensor_parallel.size` is
+# run-defining (the sharded target sums its matmuls in another order); `tensor_parallel.overlap` is not (the
+# overlapped schedule computes the same features as the unsplit one, tests/test_tensor_parallel.py).
 RUN_DEFINING = ("target", "draft.", "domino.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
                 "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
-                "data.bucket_multiple", "data.labels", "data.regenerate")
+                "data.bucket_multiple", "data.labels", "data.regenerate", "tensor_parallel.size")
 NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes
 
 

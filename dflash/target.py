@@ -149,19 +149,27 @@ class FrozenTarget(nn.Module):
         if self._full is None:
             self._full = _truncated_decoder(self.model.get_decoder(), self.num_layers)
         last = self._full(input_ids=input_ids, use_cache=False).last_hidden_state  # final-normed
-        feats = self._capture.features()
-        greedy = torch.empty_like(input_ids)
-        greedy[:, :1] = input_ids[:, :1]
-        for start in range(0, input_ids.shape[1] - 1, chunk):
-            end = min(start + chunk, input_ids.shape[1] - 1)
-            greedy[:, start + 1 : end + 1] = (last[:, start:end] @ self.lm_head_weight.t()).argmax(dim=-1)
-        return feats, greedy
+        return self._capture.features(), greedy_labels(input_ids, last, self.lm_head_weight, chunk)
 
     features = forward
 
 
+def greedy_labels(input_ids: torch.Tensor, last_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                  chunk: int = 1024) -> torch.Tensor:
+    """The target's greedy next-token labels `[B, S]` from its final-normed last hidden state `[B, S, H]`:
+    `labels[:, p]` = argmax of the logits at p - 1, position 0 keeps its token. The LM head runs in
+    sequence chunks, so `[B, S, V]` logits never exist at once. (`FrozenTarget` and the
+    tensor-parallel target share this rule.)"""
+    greedy = torch.empty_like(input_ids)
+    greedy[:, :1] = input_ids[:, :1]
+    for start in range(0, input_ids.shape[1] - 1, chunk):
+        end = min(start + chunk, input_ids.shape[1] - 1)
+        greedy[:, start + 1 : end + 1] = (last_hidden[:, start:end] @ lm_head_weight.t()).argmax(dim=-1)
+    return greedy
+
+
 # Attention implementations that treat "no mask" as causal (is_causal=True kernels).
-_CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 # A name registered with transformers' AttentionInterface but not with its mask functions: a decoder
 # whose config carries it skips mask construction (returns None), which otherwise reads the position
 # ids back to the host to detect packed sequences -- a sync in every step.
@@ -175,7 +183,7 @@ def _truncated_decoder(decoder: nn.Module, num_layers: int) -> nn.Module:
     config (the original implementation), and with no mask an sdpa/flash layer attends causally.
     """
     layer_impl = decoder.config._attn_implementation
-    if layer_impl not in _CAUSAL_WITHOUT_MASK:
+    if layer_impl not in CAUSAL_WITHOUT_MASK:
         raise ValueError(
             f"target attention implementation {layer_impl!r} is not supported for feature capture: load the "
             "target with attn_implementation='sdpa' (or a flash-attention implementation)"

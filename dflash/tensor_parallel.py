@@ -4,7 +4,7 @@ Sharding follows the model's own `config.base_model_tp_plan` (transformers' per-
 "colwise" linears (q/k/v, gate/up) keep this rank's rows (its attention heads, its KV heads, its
 slice of the intermediate), "rowwise" linears (o_proj, down_proj) its columns, and their partial
 outputs are all-reduced by our own schedule (`dflash.tp_overlap`: unsplit, or two batch halves whose
-all-reduces hide behind each other's compute, `tp_overlap`). Norms (Qwen3's per-head q_norm /
+all-reduces hide behind each other's compute, `tensor_parallel.overlap`). Norms (Qwen3's per-head q_norm /
 k_norm included), the rotary tables, the embedding and the LM head stay whole on every rank (plan
 entries outside the layers, such as a vocab-parallel embedding, are ignored): the draft needs the
 full vocabulary, so the embedding and head are plain full tensors.
@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.target import _CAUSAL_WITHOUT_MASK
+from dflash.target import CAUSAL_WITHOUT_MASK, greedy_labels
 from dflash.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
 # Decoders whose forward is embed -> rotary -> [norm, attention, residual, norm, MLP, residual] * L
@@ -58,17 +58,17 @@ def check_tp_support(config: Any, tp: int) -> dict[str, str]:
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
         raise ValueError(f"target architecture {model_type!r} has no tensor-parallel plan (config.base_model_tp_plan): "
-                         "run it replicated (target.tp_size: 1) or train from offline features")
+                         "run it replicated (tensor_parallel.size: 1) or train from offline features")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"target architecture {model_type!r} is not supported under tensor parallelism (supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}): run it replicated (target.tp_size: 1)")
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}): run it replicated (tensor_parallel.size: 1)")
     for key, style in plan.items():
         if not key.startswith("layers."):  # embedding, final norm: whole on every rank whatever the plan says
             continue
         expected = _REQUIRED_STYLES.get(key.removeprefix("layers.*."))
         if style != expected and style not in _REPLICATED_STYLES:
             raise ValueError(f"tensor-parallel plan entry {key!r}: {style!r} is not supported by dflash's sharded "
-                             "target; run it replicated (target.tp_size: 1)")
+                             "target; run it replicated (tensor_parallel.size: 1)")
     missing = [k for k in _REQUIRED_STYLES if f"layers.*.{k}" not in plan]
     if missing:
         raise ValueError(f"the tensor-parallel plan of {model_type!r} does not shard {missing}: run it replicated")
@@ -81,8 +81,8 @@ def check_tp_support(config: Any, tp: int) -> dict[str, str]:
     if bad:
         common = math.gcd(*sizes.values())
         valid = [d for d in range(1, common + 1) if common % d == 0]
-        raise ValueError(f"target.tp_size={tp} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}: "
-                         f"each rank must hold whole attention and KV heads; set target.tp_size to one of {valid}")
+        raise ValueError(f"tensor_parallel.size={tp} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}: "
+                         f"each rank must hold whole attention and KV heads; set tensor_parallel.size to one of {valid}")
     return dict(plan)
 
 
@@ -91,8 +91,8 @@ def tp_mesh(tp: int, device_type: str) -> DeviceMesh:
     a TP group (on one host they share NVLink). Needs an initialised process group."""
     world = dist.get_world_size()
     if tp < 1 or world % tp:
-        raise ValueError(f"world size {world} is not a multiple of target.tp_size={tp}: launch a multiple of "
-                         f"{tp} processes or change target.tp_size")
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel.size={tp}: launch a multiple of "
+                         f"{tp} processes or change tensor_parallel.size")
     return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
@@ -218,7 +218,11 @@ def _load_shards_(model: nn.Module, folder: Path, sources: dict[str, tuple[str, 
 
 def _refuse_sharded_forward(module: nn.Module, args: Any) -> None:
     raise RuntimeError(f"this {type(module).__name__} is sharded over a tensor-parallel group: its own forward would "
-                       "skip the row-parallel all-reduces (wrong outputs); call the TensorParallelTarget instead")
+                       "skip the row-parallel all-reduces (wrong outputs); call the TensorParallelTarget instead "
+                       "(dflash.tp_decode.LockstepTarget to decode). HF generate() cannot run it, so with "
+                       "tensor_parallel.size > 1 data.regenerate needs the target's replies already cached: run "
+                       "`dflash generate` where the whole target fits, or answer the prompts with a serving engine "
+                       "and train on that file with data.regenerate: false")
 
 
 class TensorParallelTarget(nn.Module):
@@ -233,7 +237,7 @@ class TensorParallelTarget(nn.Module):
     `model`: an HF causal LM of a supported architecture, loaded with sdpa or flash attention, whole
     on every rank; its decoder linears are replaced by this rank's shards (the model is no longer
     usable as a whole). `group`: a (dp x tp) `DeviceMesh`, a 1-D mesh or a ProcessGroup.
-    `schedule`: "overlap" (tp_overlap on), "unsplit" (off) or "split" (benchmarks), see
+    `schedule`: "overlap" (`tensor_parallel.overlap` on), "unsplit" (off) or "split" (benchmarks), see
     `dflash.tp_overlap`; it may be changed between calls.
     """
 
@@ -244,7 +248,7 @@ class TensorParallelTarget(nn.Module):
         self.tp_rank, self.tp_size = _group_rank_size(self.group)
         plan = check_tp_support(_text_config(model.config), self.tp_size)
         impl = model.get_decoder().config._attn_implementation
-        if impl not in _CAUSAL_WITHOUT_MASK:
+        if impl not in CAUSAL_WITHOUT_MASK:
             raise ValueError(f"target attention implementation {impl!r} is not supported: load the target with "
                              "attn_implementation='sdpa' (or a flash-attention implementation)")
         if schedule not in SCHEDULES:
@@ -371,22 +375,17 @@ class TensorParallelTarget(nn.Module):
         `FrozenTarget.features_and_greedy`: `labels[:, p]` = argmax of the logits at p - 1, position 0
         keeps its token). The LM head is whole, so only the kept rows' logits are computed."""
         feats, last = self.hidden_states(input_ids, rows=rows, all_layers=True)
-        ids = input_ids[rows or slice(None)]
-        greedy = torch.empty_like(ids)
-        greedy[:, :1] = ids[:, :1]
-        for begin in range(0, ids.shape[1] - 1, chunk):
-            end = min(begin + chunk, ids.shape[1] - 1)
-            greedy[:, begin + 1 : end + 1] = (last[:, begin:end] @ self.lm_head_weight.t()).argmax(dim=-1)
-        return feats, greedy
+        return feats, greedy_labels(input_ids[rows or slice(None)], last, self.lm_head_weight, chunk)
 
     features = forward
 
 
 def target_parameter_bytes(target: nn.Module) -> dict[str, int]:
     """Bytes of parameters and buffers this rank holds for a target's model (`FrozenTarget`,
-    `TensorParallelTarget` or `GroupBatchTarget`): "layers" (the decoder layers: what TP shards),
-    "embedding", "lm_head" (0 when tied to the embedding), "other" (final norm, rotary tables), "total"."""
-    model = target.model
+    `TensorParallelTarget`, `GroupBatchTarget` or an HF causal LM itself, meta tensors included): "layers"
+    (the decoder layers: what TP shards), "embedding", "lm_head" (0 when tied to the embedding), "other"
+    (final norm, rotary tables), "total"."""
+    model = target.model if hasattr(target, "layer_ids") else target
     decoder = model.get_decoder()
 
     def nbytes(tensors: Any) -> int:

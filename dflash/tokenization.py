@@ -21,6 +21,7 @@ from typing import Any
 import datasets
 
 from dflash.anchors import has_valid_anchor
+from dflash.console import quiet_datasets
 from dflash.embedded import cache_root, cache_slug, chitchat_path
 from dflash.sources import Message, dataset_report, load_conversations, local_files
 
@@ -183,6 +184,7 @@ def dataset_cache_dir(
     return (root or cache_root() / "datasets") / f"{cache_slug(stem, 40)}-{digest}"
 
 
+@quiet_datasets()  # its own log lines say what it did; datasets' map / filter / save bars stay off
 def build_dataset(
     source: Any,
     tokenizer: Any,

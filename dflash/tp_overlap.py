@@ -68,14 +68,16 @@ def batch_halves(batch: int, schedule: str) -> list[tuple[int, int]]:
     return [(0, batch // 2), (batch // 2, batch)]
 
 
-def attention_partial(layer: nn.Module, hidden: torch.Tensor,
-                      position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def attention_partial(layer: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                      **attention: Any) -> torch.Tensor:
     """This rank's partial sum `[b, S, H]` of layer's attention output, from the full residual stream
     `hidden` `[b, S, H]`: input norm, its q/k/v heads (per-head q_norm / k_norm where the model has
     them), causal attention with no mask (right padding is exact for every real token), its o_proj
-    columns. The model's own attention module runs it, on its sharded projections."""
+    columns. The model's own attention module runs it, on its sharded projections. `attention`: extra
+    arguments of the attention module (a mask and a KV cache, for decoding: `dflash.tp_decode`)."""
     normed = layer.input_layernorm(hidden)
-    return layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings, attention_mask=None)[0]
+    kwargs = {"attention_mask": None, **attention}
+    return layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings, **kwargs)[0]
 
 
 def mlp_partial(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -130,8 +132,8 @@ def _finish(half: _Half, reducer: _Reducer, on_layer_output: Callable[[int, int,
 
 
 def run_trunk(layers: Sequence[nn.Module], hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-              group: dist.ProcessGroup | None, schedule: str,
-              on_layer_output: Callable[[int, int, torch.Tensor], None]) -> list[tuple[int, torch.Tensor]]:
+              group: dist.ProcessGroup | None, schedule: str, on_layer_output: Callable[[int, int, torch.Tensor], None],
+              attention: dict[str, Any] | None = None) -> list[tuple[int, torch.Tensor]]:
     """Run sharded decoder `layers` on the replicated residual stream `hidden` `[B, S, H]` (the
     embedded input, identical on every rank of `group`) under `schedule`.
 
@@ -139,6 +141,7 @@ def run_trunk(layers: Sequence[nn.Module], hidden: torch.Tensor, position_embedd
     `[start, start + b)` as soon as it is complete (the caller keeps the rows and layers it needs).
     Returns `(start, h)` of each half after the last layer (pre final norm), in row order.
     `position_embeddings`: the model's rotary (cos, sin), `[1, S, head_dim]` each, shared by all rows.
+    `attention`: extra arguments for every layer's attention module (`attention_partial`).
     """
     reducer = _Reducer(group, asynchronous=schedule == "overlap")
     ranges = batch_halves(hidden.shape[0], schedule)
@@ -148,7 +151,7 @@ def run_trunk(layers: Sequence[nn.Module], hidden: torch.Tensor, position_embedd
             for half in halves:
                 _finish(half, reducer, on_layer_output)
                 if stage == "attn":
-                    half.partial = attention_partial(layer, half.hidden, position_embeddings)
+                    half.partial = attention_partial(layer, half.hidden, position_embeddings, **(attention or {}))
                     half.bias = getattr(layer.self_attn.o_proj, REDUCED_BIAS, None)
                 else:
                     half.partial = mlp_partial(layer, half.hidden)
@@ -196,11 +199,25 @@ class GroupBatchTarget(nn.Module):
     """`FrozenTarget`'s interface on this rank's own micro-batch, for a `TensorParallelTarget`: each
     call gathers the group's micro-batches, runs the sharded target once on them, and returns this
     rank's rows. The draft then stays data-parallel over every rank with no repeated draft work.
-    Every rank of the group must call it, in the same order, with micro-batches of one shape."""
+    Every rank of the group must call it, in the same order, with micro-batches of one row count.
 
-    def __init__(self, target: TensorParallelTarget) -> None:
+    `length`: every micro-batch shorter than it is right-padded to it before the gather, and the
+    results are cut back to its own length, so the ranks of a group (whose collators pad each batch
+    to the bucket of its own longest row) gather one shape with no host-device sync and no
+    agreement between ranks; causal attention keeps every real position exact. None: the callers
+    guarantee equal lengths themselves."""
+
+    def __init__(self, target: TensorParallelTarget, length: int | None = None) -> None:
         super().__init__()
         self.target = target
+        self.length = length
+
+    def _padded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` `[b, S]` right-padded (token 0) to `[b, length]` when shorter (a host-known shape)."""
+        seq = input_ids.shape[1]
+        if self.length is None or seq >= self.length:
+            return input_ids
+        return nn.functional.pad(input_ids, (0, self.length - seq))
 
     def train(self, mode: bool = True) -> GroupBatchTarget:
         return super().train(False)
@@ -239,12 +256,14 @@ class GroupBatchTarget(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Features `[b, S, K*H]` of this rank's `input_ids` `[b, S]`."""
-        return group_features(self.target, input_ids)[0]
+        seq = input_ids.shape[1]
+        return group_features(self.target, self._padded(input_ids))[0][:, :seq]
 
     @torch.no_grad()
     def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         """Features `[b, S, K*H]` and greedy labels `[b, S]` of this rank's `input_ids` `[b, S]`."""
-        feats, greedy = group_features(self.target, input_ids, greedy=True, chunk=chunk)
-        return feats, greedy
+        seq = input_ids.shape[1]
+        feats, greedy = group_features(self.target, self._padded(input_ids), greedy=True, chunk=chunk)
+        return feats[:, :seq], greedy[:, :seq]
 
     features = forward

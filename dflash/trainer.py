@@ -20,17 +20,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from dflash.anchors import anchor_seed, anchor_widths
 from dflash.anchors import reseed as reseed_anchors
+from dflash.attention import resolve_attention
 from dflash.checkpoint import checkpoint_path, load_checkpoint, prepare_run_dir, resolve_resume, save_checkpoint, write_run_config
 from dflash.config import TrainConfig
+from dflash.console import ProgressBar, quiet_datasets, start_of_run
 from dflash.corpus import training_data
 from dflash.data import Collator, DataPosition, device_batches
-from dflash.evaluate import format_report, speculative_report
+from dflash.evaluate import held_out_speculative_eval
 from dflash.export import export_draft, load_exported
-from dflash.factory import build_objective
+from dflash.factory import build_objective, prepare_target
 from dflash.graphs import Capture, StepGraphs, cuda_graph_capture, warm_up_and_restore
 from dflash.held_out import held_out_metrics, output_rows
 from dflash.losses import window_loss_scale
@@ -39,8 +40,9 @@ from dflash.modeling import DFlashDraftModel, allow_compiled_shapes
 from dflash.objective import DFlashObjective
 from dflash.optim import build_optimizer, lr_at
 from dflash.parallel import DataParallelDraft
-from dflash.reporting import Reporter, history_size, progress_postfix, window_metrics
-from dflash.runtime import DTYPES, init_distributed, load_target, resolve_device, resolve_dtype
+from dflash.preflight import check_dependencies
+from dflash.reporting import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
+from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
 from dflash.state import (
     check_resume_config,
     check_training_data,
@@ -84,9 +86,10 @@ class DFlashTrainer:
         rank = dist_rank if rank is None else rank
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if target is None and objective is None:
-            target, loaded_tok = load_target(config.target, self.dtype)
-            tokenizer = tokenizer or loaded_tok
+        check_run_settings(config, self.world_size, self.device, self.dtype)  # before any weight is read
+        check_dependencies(config, target_given=target is not None or objective is not None, dataset_given=dataset is not None)
+        if objective is None:  # loaded unless passed in; under tensor_parallel this rank's shard (dflash.factory)
+            target, tokenizer = prepare_target(config, target, tokenizer, device=self.device, dtype=self.dtype)
         self.tokenizer, self.dataset, self.rank = tokenizer, dataset, rank
         # A prebuilt objective (benchmarks, tests) replaces the target/draft construction. `seed` fixes
         # the draft's initialisation (the same on every rank); the caller's RNG stream is left as it was.
@@ -97,17 +100,11 @@ class DFlashTrainer:
         self.target, self.draft = self.objective.target, self.objective.draft
         self.draft_config = self.draft.config
         self.block_size = self.objective.block_size
-        if config.param_dtype == "bfloat16" and self.dtype != torch.bfloat16:
-            raise ValueError("param_dtype: bfloat16 needs dtype: bfloat16 (bf16 weights under an fp32 compute dtype)")
         self.draft.to(DTYPES[config.param_dtype])
         if config.init_from:  # warm start from an exported draft: weights only, a fresh run otherwise
             self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
         # What the objective calls to run the draft across ranks (DDP or FSDP2; either way only the last
         # micro-batch of a window communicates gradients), compiled when asked.
-        if self.world_size > 1 and config.distributed == "fsdp2" and config.cuda_graph:
-            raise ValueError("cuda_graph: true does not work with distributed: fsdp2 (FSDP2's per-layer "
-                             "all-gathers and reduce-scatters are driven by host-side hooks); use "
-                             "distributed: ddp or cuda_graph: false")
         self.parallel = DataParallelDraft(self.draft, mode=config.distributed, world_size=self.world_size,
                                           device=self.device)
         self.fsdp = self.parallel.fsdp
@@ -116,8 +113,6 @@ class DFlashTrainer:
             call = torch.compile(call, dynamic=False)
             self.objective.compile_loss = True
         self.objective.use_draft_call(call)
-        if config.cuda_graph and self.device.type != "cuda":
-            raise ValueError("cuda_graph: true needs a CUDA device")
 
         # Schedule state lives on the device: the lr tensor is shared with the optimizer and updated
         # in place, so changing it never copies a Python float to the device.
@@ -336,14 +331,19 @@ class DFlashTrainer:
         checkpoints. A damaged newest checkpoint is passed over, and what interrupted saves left is removed.
         """
         cfg = self.config
+        start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
+                     attention=resolve_attention(cfg.draft.attention, self.device))  # progress bars; rank 0's banner
         run_dir = Path(cfg.output_dir)
         prepare_run_dir(run_dir)  # writable? and what interrupted saves / deletions left (logged)
         resume = resolve_resume(cfg.resume_from, run_dir)  # `latest`: the newest intact checkpoint
         if resume is not None:
             self.resume(resume)
-        corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target, rank=self.rank,
-                               world_size=self.world_size)
+        with quiet_datasets():  # dflash's own bars and log lines tell the data preparation
+            corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target,
+                                   rank=self.rank, world_size=self.world_size)
         train_ds, eval_ds, self.held_out_conversations = corpus.train, corpus.eval, corpus.held_out_conversations
+        if eval_ds is not None and (warning := split_warning(len(train_ds), len(eval_ds))) and self.rank == 0:
+            log.warning(warning)
         check_token_absent(train_ds, self.draft_config.mask_token_id, self.tokenizer)
         resumed = getattr(self, "resumed", None)
         self.data_fingerprint = check_training_data(corpus, cfg, resumed)  # refuses a resume on other data
@@ -352,8 +352,8 @@ class DFlashTrainer:
                             resumed=resumed or {"step": self.step})  # drops lines logged past this step
         self.history: list[dict[str, Any]] = []
         batches = self._device_batches(train_ds)
-        progress = tqdm(total=cfg.max_steps, initial=self.step, disable=not cfg.progress_bar or self.rank != 0,
-                        desc="dflash train", dynamic_ncols=True)
+        progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step",
+                               enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it
         window_start, window_tokens, last, last_flush_step = time.perf_counter(), 0, {}, self.step
         stop = StopRequest(cfg.time_budget_minutes, self.world_size, self.device)  # signals, time budget
         watch = NonFiniteWatch(self.nonfinite_run, cfg.max_nonfinite_skips, every_step=self.world_size == 1)
@@ -366,7 +366,8 @@ class DFlashTrainer:
                 progress.update(1)
                 watch.poll()  # one process: the device's consecutive-skip count, read as it lands (no wait)
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps or watch.tripped:
-                    last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens)
+                    last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
+                                          self.world_size)
                     last_flush_step = self.step  # SYNC POINT above: the log interval
                     self._record(reporter, last)
                     progress.set_postfix_str(progress_postfix(last))
@@ -379,15 +380,15 @@ class DFlashTrainer:
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
                         and self.held_out_conversations):
                     draft = self.consolidated_draft()  # FSDP2: a gather every rank takes part in
-                    if self.rank == 0:
-                        spec = self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts,
-                                                     draft=draft)
+                    if (spec := self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts,
+                                                      draft=draft)) is not None:  # rank 0's report
                         self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
                                                 "spec_per_position_acceptance": spec["per_position_acceptance"]})
                 if cfg.save_interval and self.step % cfg.save_interval == 0:
                     self.save()
             if self.step != last_flush_step and not stop.requested:  # the time budget ended a window early
-                last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens)
+                last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
+                                      self.world_size)
                 self._record(reporter, last)
             # The last step is saved once: not again when it was just saved, or resumed with no step left.
             saved = getattr(self, "_saved_step", None) == self.step
@@ -401,7 +402,7 @@ class DFlashTrainer:
             if watch.tripped:
                 raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
             log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
-            return {**summary, "interrupted": True, "signal": stop.signal}
+            return write_summary(run_dir, {**summary, "interrupted": True, "signal": stop.signal}, enabled=self.rank == 0)
         if eval_ds is not None:
             held_out = self.evaluate(eval_ds)
             self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
@@ -410,33 +411,26 @@ class DFlashTrainer:
         # One full draft for export and speculative decoding (FSDP2: gathered to rank 0 by every rank).
         final_draft = self.consolidated_draft() if cfg.export_on_finish or spec_eval else None
         if cfg.export_on_finish and self.rank == 0:
-            summary["export"] = str(export_draft(final_draft, run_dir / "export"))
-        if spec_eval and self.rank == 0:
-            summary["speculative"] = self.speculative_eval(self.held_out_conversations, draft=final_draft)
-            (run_dir / "export" / "eval.json").write_text(json.dumps(summary["speculative"], indent=2))
+            summary["export"] = str(export_draft(final_draft, run_dir / "export", target=cfg.target))
+        if spec_eval and (report := self.speculative_eval(self.held_out_conversations, draft=final_draft)) is not None:
+            summary["speculative"] = report  # rank 0 (under tensor_parallel its TP group decoded with it)
+            (run_dir / "export" / "eval.json").write_text(json.dumps(report, indent=2))
         reporter.close()
-        return summary
+        return write_summary(run_dir, summary, enabled=self.rank == 0)  # RUN/summary.json: the whole summary
 
     def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None, *,
-                         draft: torch.nn.Module | None = None) -> dict[str, Any]:
-        """SYNC POINT: real speculative decoding on held-out prompts (tau, per-position acceptance, speed-up).
-
-        `draft` defaults to the trained draft; under FSDP2 pass `consolidated_draft()` (sharded weights
-        cannot run in one process alone)."""
-        if draft is None:
-            if self.fsdp:
-                raise ValueError("under distributed: fsdp2 pass draft=trainer.consolidated_draft() (called on every rank)")
-            draft = self.draft
-        report = speculative_report(self.target.model, self.tokenizer, draft, conversations,
-                                    num_prompts=num_prompts or self.config.spec_eval_prompts,
-                                    max_new_tokens=self.config.spec_eval_max_new_tokens, return_texts=True)
-        texts = report.pop("texts")
-        if self.world_size == 1:  # evaluate() takes every rank; these texts exist on rank 0 only
-            # The held-out chain estimate on exactly these prompts and outputs: what separates it from the
-            # real tau is then numerics alone, and from eval_chain_tau the choice of held-out rows.
-            report["teacher_forced_chain_tau"] = self._chain_tau_on(texts)
-        log.info("speculative eval: %s", format_report(report))
-        return report
+                         draft: torch.nn.Module | None = None) -> dict[str, Any] | None:
+        """SYNC POINT: real speculative decoding on held-out prompts (tau, per-position acceptance, speed-up;
+        `dflash.evaluate.held_out_speculative_eval`): the report on rank 0, None on the other ranks, so call it
+        on every rank. `draft` defaults to the trained draft; under FSDP2 pass `consolidated_draft()` (sharded
+        weights cannot run in one process alone). One process: with `teacher_forced_chain_tau`."""
+        if draft is None and self.fsdp and self.rank == 0:  # the other ranks report nothing (None)
+            raise ValueError("under distributed: fsdp2 pass draft=trainer.consolidated_draft() (called on every rank)")
+        return held_out_speculative_eval(self.target, self.tokenizer, self.draft if draft is None else draft,
+                                         conversations, rank=self.rank,
+                                         num_prompts=num_prompts or self.config.spec_eval_prompts,
+                                         max_new_tokens=self.config.spec_eval_max_new_tokens,
+                                         chain_tau=self._chain_tau_on if self.world_size == 1 else None)
 
     def _chain_tau_on(self, texts: list[tuple[list[int], list[int]]]) -> float:
         """`evaluate`'s chain tau over rows `prompt + output`, supervising the output."""

@@ -355,7 +355,7 @@ def kernel_rows(events, kind, steps: int) -> list[tuple[str, float]]:
 
     Skipped on a GPU: user annotations. A `record_function` range (the optimizer's
     "Optimizer.step#AdamW.step") also appears on the device with the time of the kernels inside it, so
-    counting it would count those kernels twice (session 4: "optimizer 13.5 ms" was 7.9 ms of kernels
+    counting it would count those kernels twice (the `a312745` profile: "optimizer 13.5 ms" was 7.9 ms of kernels
     plus the 5.6 ms range). On a CPU a range's self time is its own Python work and is kept."""
     cuda = kind.name == "CUDA"
     rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / steps)

@@ -58,9 +58,9 @@ def fixed_anchors(anchors: torch.Tensor, keep: torch.Tensor, rows: range):
     return sample
 
 
-def main_ddp(out: Path) -> None:
+def main_ddp(out: Path, position_weights: str = "decay") -> None:
     torch.manual_seed(0)
-    trainer = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    trainer = DFlashTrainer(tiny_config(draft__position_weights=position_weights), target=make_tiny_target())
     rank, world = trainer.rank, trainer.world_size
     assert world == 2, world
     batch, anchors, keep = fixed_plan()
@@ -155,4 +155,7 @@ def main_fsdp2(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    (main_fsdp2 if sys.argv[2:] == ["fsdp2"] else main_ddp)(Path(sys.argv[1]))
+    if sys.argv[2:] == ["fsdp2"]:
+        main_fsdp2(Path(sys.argv[1]))
+    else:  # DDP, with the position weights named after the output path (default: decay)
+        main_ddp(Path(sys.argv[1]), *sys.argv[2:])

@@ -76,12 +76,57 @@ def test_gpu_preset_leaves_linked_data_keys_to_the_user():
     assert (plain.data.regenerate, plain.data.standalone_turns) == (False, 1)
 
 
-def test_dry_run_prints_the_plan(tiny_target_dir, capsys):
+def test_dry_run_prints_the_plan(tiny_target_dir, conversations_file, capsys):
     assert main(["train", f"target={tiny_target_dir}", "draft.mask_token_id=16", "draft.num_layers=2",
                  "device=cpu", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "target_layer_ids" in out and "[0, 2]" in out
     assert "draft_parameters" in out and "mask_token" in out and "<empty_output>" in out
+    # The time budget and the phases with their sizes; held-out rows outnumbering training rows warn.
+    assert main(["train", f"target={tiny_target_dir}", "draft.mask_token_id=16", "device=cpu",
+                 f"data.source={conversations_file}", "data.eval_size=8", "data.limit=12", "max_steps=20",
+                 "batch_size=2", "time_budget_minutes=3", f"data.cache_dir={tiny_target_dir}/no-cache", "--dry-run"]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["time_budget"] == "3 min of training, then save, evaluate and export"
+    assert lines["phase_regeneration"].startswith("4 training prompts (0 cached) and 8 held-out prompts (0 cached)")
+    assert lines["phase_training"].startswith("up to 20 steps x 2 rows per rank, over 4 training conversations of 40")
+    assert lines["phase_evaluation"].startswith("8 held-out conversations")
+    assert "up to 8 held-out prompts x 128 new tokens" in lines["phase_evaluation"]
+    assert lines["warning"].startswith("8 held-out rows outnumber the 4 training rows: data.limit is too small")
+
+
+def test_config_command_lists_every_key_with_default_type_and_meaning(capsys):
+    from dflash.config import _keys
+    from dflash.config_keys import key_table
+
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if line.strip() and not line.startswith((" ", "Set"))}
+    table = key_table()
+    assert [k for k, *_ in table] == _keys(TrainConfig())  # every key, in the config's order
+    for key, default, type_name, meaning in table:
+        assert meaning, f"{key} has no meaning: comment its field in dflash/config.py"
+        shown = repr(default) if isinstance(default, str) else str(default)
+        assert rows[key].split(None, 2)[1] == shown.split()[0] and f" {type_name} " in rows[key]
+        assert rows[key].rstrip().endswith(meaning)
+    assert rows["optim.lr"].split()[1:3] == ["0.0006", "float"]
+    assert "did you mean" not in out and "GPU: " in out  # the embedded presets follow the table
+
+
+def test_a_missing_reporter_fails_before_any_model_loads(tiny_target_dir, conversations_file, tmp_path, monkeypatch,
+                                                          capsys):
+    import sys
+
+    loaded = []
+    monkeypatch.setattr("dflash.trainer.prepare_target", lambda *a, **k: loaded.append("target"))
+    monkeypatch.setattr("dflash.trainer.training_data", lambda *a, **k: loaded.append("data"))
+    for package in ("tensorboard", "wandb"):
+        monkeypatch.setitem(sys.modules, package, None)  # `import tensorboard` fails: as if not installed
+    assert main(_args(tiny_target_dir, conversations_file, tmp_path / "run", "report_to=[wandb,tensorboard]")) == 2
+    err = capsys.readouterr().err
+    assert "report_to: wandb needs wandb (`pip install wandb`)" in err
+    assert "report_to: tensorboard needs tensorboard (`pip install tensorboard`)" in err and "Traceback" not in err
+    assert loaded == []  # refused before the target or the data was touched
 
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
@@ -98,7 +143,15 @@ def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, con
     out = tmp_path / "run"
     assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=4", "save_interval=2", "eval_interval=2",
                       "spec_eval_interval_prompts=2")) == 0
-    summary = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())  # the whole summary; the console shows a table
+    table = dict(line.split(None, 1) for line in captured.out.strip().splitlines())
+    assert list(table) == ["steps", "training", "held-out", "speculative", "checkpoint", "export", "summary"]
+    assert table["steps"] == "4" and table["summary"] == str(out / "summary.json")
+    assert f"tau {summary['speculative']['tau']:.3f} on 3 prompts, lossless" in table["speculative"]
+    assert "1 process: data parallel 1 x tensor parallel 1" in captured.err  # the launch banner
+    assert "device cpu | compute float32, draft weights float32 | attention sdpa" in captured.err
+    assert " tokens/s " in next(line for line in captured.err.splitlines() if "step 2/4" in line)
     history = read_history(out)
     assert [r["step"] for r in history if "spec_tau" in r] == [2, 4]  # real tau during training
     train_rows = [r for r in history if "loss" in r]
@@ -121,14 +174,23 @@ def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, con
 def test_export_and_eval_commands(tiny_target_dir, conversations_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=2", "spec_eval_prompts=0",
-                      "export_on_finish=false")) == 0
-    capsys.readouterr()
+                      "export_on_finish=false", "data.limit=14", "--json")) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["steps"] == 2  # --json: the summary itself on stdout
+    assert "8 held-out rows outnumber the 6 training rows: data.limit is too small" in captured.err
     assert main(["export", str(out), str(tmp_path / "exported")]) == 0
     assert (tmp_path / "exported" / "model.safetensors").exists()
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["dflash_config"]["target"] == str(tiny_target_dir)  # from the run's config.yaml
+    ids = config["dflash_config"]["target_layer_ids"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ids]  # vLLM: the input of layer i + 1
     capsys.readouterr()
-    assert main(["eval", "--draft", str(tmp_path / "exported"), "--target", str(tiny_target_dir), "--prompts",
-                 str(conversations_file), "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
-    printed = capsys.readouterr().out
+    # No --target: the draft names the target it was trained for.
+    assert main(["eval", "--draft", str(tmp_path / "exported"), "--prompts", str(conversations_file),
+                 "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert f"target: {tiny_target_dir} (from the draft's config.json)" in captured.err
     assert "tau" in printed and "per-position acceptance" in printed
     report = json.loads((tmp_path / "exported" / "eval.json").read_text())
     assert report["num_prompts"] == 2 and report["tau"] >= 1.0
@@ -232,6 +294,13 @@ BAD_INPUTS = {
                                        "is neither a checkpoint folder nor a run folder"),
     "export of a damaged checkpoint": (lambda c: ["export", str(_spoil(c.run, "draft.safetensors").parent),
                                                   str(c.tmp / "out")], 2, "draft.safetensors is"),
+    "export of a run with every checkpoint damaged": (
+        lambda c: (_spoil(c.run, "draft.safetensors", "step-00000002"), _spoil(c.run, "draft.safetensors"),
+                   ["export", str(c.run), str(c.tmp / "out")])[-1], 2, "no intact checkpoint"),
+    "a value that is not a number": (lambda c: ["train", "optim.lr=abc", "--dry-run"], 2,
+                                     "optim.lr: could not convert 'abc' to float"),
+    "a mistyped key": (lambda c: ["train", "max_step=3", "--dry-run"], 2,
+                       "unknown config key 'max_step' (did you mean max_steps?)"),
     "resume of a named damaged checkpoint": (
         lambda c: c.resume(f"resume_from={_spoil(c.run, 'trainer_state.pt').parent}"), 2, "trainer_state.pt is"),
     "resume with every checkpoint damaged": (
@@ -337,7 +406,8 @@ def test_sigterm_exits_with_143_and_export_reads_no_optimizer_state(trained_run,
 
     monkeypatch.setattr(DFlashTrainer, "train_step", step_then_sigterm)
     assert main(_args(tiny_target_dir, conversations_file, run, "max_steps=8", "resume_from=latest")) == 143
-    assert json.loads(capsys.readouterr().out)["interrupted"]
+    assert "interrupted by signal" in capsys.readouterr().out
+    assert json.loads((run / "summary.json").read_text())["interrupted"]
     assert (run / "checkpoints" / "latest").read_text() == "step-00000005"
     (run / "checkpoints" / "step-00000005" / "trainer_state.pt").unlink()
     assert main(["export", str(run), str(tmp_path / "exported")]) == 0

@@ -25,18 +25,22 @@ def launch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, monkeypatch, position_weights):
+    """The ranks hold unequal anchor counts (row 0 is mostly unsupervised): the global denominator, known
+    before the first backward (D-PACE: the supervised-slot count), makes 2 ranks compute one process's
+    gradient of the concatenated batch."""
     sys.path.insert(0, str(ROOT / "tests"))
     from dist_worker import fixed_plan
 
     from dflash.trainer import DFlashTrainer
 
-    launch("tests/dist_worker.py", str(tmp_path / "ranks.pt"))
+    launch("tests/dist_worker.py", str(tmp_path / "ranks.pt"), position_weights)
     two = torch.load(tmp_path / "ranks.pt")
 
     batch, anchors, keep = fixed_plan()
     monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None: (anchors, keep))
-    one = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    one = DFlashTrainer(tiny_config(draft__position_weights=position_weights), target=make_tiny_target())
     one.draft.load_state_dict(two["init"])  # DDP broadcast rank 0's initial weights
     monkeypatch.setattr(one.optimizer, "step", lambda: None)
     monkeypatch.setattr(one.optimizer, "zero_grad", lambda set_to_none=True: None)
@@ -61,8 +65,14 @@ def test_two_process_cli_run_resumes(tmp_path):
     data = chat_data(tmp_path / "chats.jsonl")
     out = tmp_path / "run"
     args = _args(target, data, out, "max_steps=4", "save_interval=2", "spec_eval_prompts=0", "batch_size=2")
-    launch("-m", "dflash", *args)
+    proc = launch("-m", "dflash", *args)
     assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
+    # Rank 0 says what runs (the banner), prepares the data and prints the final table; rank 1 stays quiet.
+    banners = [line for line in proc.stderr.splitlines() if "launch: 2 processes" in line]
+    assert banners and "launch: 2 processes: data parallel 2 x tensor parallel 1 | distributed ddp over " in banners[0]
+    assert "gloo" in banners[0]  # "gloo" or "cpu:gloo": the process group's backend
+    assert len(banners) == 1 and proc.stderr.count("corpus: {") == 1, proc.stderr[-3000:]
+    assert [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith("steps ")] == [["steps", "4"]]
     launch("-m", "dflash", *_args(target, data, out, "max_steps=6", "resume_from=latest", "spec_eval_prompts=0",
                                   "batch_size=2"))
     assert [r["step"] for r in read_history(out) if "loss" in r] == [2, 4, 6]

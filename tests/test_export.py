@@ -19,6 +19,7 @@ from dflash.export import (
     expected_weight_names,
     export_draft,
     load_exported,
+    trained_target,
 )
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
@@ -84,6 +85,23 @@ def test_config_json_has_every_published_field(target, tmp_path):
     for key, value in expected.items():
         assert cfg[key] == value, key
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+def test_config_json_names_the_target_and_the_layers_in_vllms_convention(target, tmp_path):
+    """`eagle_aux_hidden_state_layer_ids` is what vLLM's runner reads first: aux id j is the hidden state
+    entering layer j, i.e. the output of layer j - 1, so our output-of-layer ids shift by one (an older vLLM
+    that takes `target_layer_ids` as aux ids reads each layer one too early). The target is recorded for
+    `dflash eval`, and an export read back and written again keeps it (same bytes)."""
+    draft = _draft(target, target_layer_ids=[0, 2])
+    export_draft(draft, tmp_path / "a", target="org/tiny-target")
+    cfg = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3] and cfg["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert cfg["dflash_config"]["target"] == trained_target(tmp_path / "a") == "org/tiny-target"
+    export_draft(load_exported(tmp_path / "a"), tmp_path / "b")  # bf16 weights round-trip exactly
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    export_draft(draft, tmp_path / "c")
+    assert trained_target(tmp_path / "c") is None  # not recorded: `dflash eval` then takes its default
 
 
 def test_safetensors_names_are_exactly_the_published_ones_in_bf16(target, tmp_path):

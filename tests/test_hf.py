@@ -6,6 +6,7 @@ Tiny Llama target from config, rows of a fixed random batch, CPU, a few steps pe
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -15,16 +16,21 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed
+from dflash.cli import main
+from dflash.config import TrainConfig
 from dflash.data import Collator
 from dflash.diagnostics import DFlashSyncWarning, SyncProbe, per_step_sync_settings
 from dflash.export import load_exported
-from dflash.hf import EXPORT_DIRNAME, DFlashCallback, DFlashHFTrainer, DFlashTrainingModule
+from dflash.hf import EXPORT_DIRNAME, TRAINER_DRAFT_NAME, DFlashCallback, DFlashHFTrainer, DFlashTrainingModule, config_conflicts
 from dflash.metrics import Metrics
 from dflash.reporting import read_history
 
 
 def _module(**overrides) -> DFlashTrainingModule:
-    return DFlashTrainingModule.from_config(tiny_config(**overrides), make_tiny_target(), None)
+    """A module for the tiny config; steps and batch are left to TrainingArguments (which run them)."""
+    config = tiny_config(**overrides)
+    config.max_steps, config.batch_size = TrainConfig.max_steps, TrainConfig.batch_size
+    return DFlashTrainingModule.from_config(config, make_tiny_target(), None)
 
 
 def _rows(rows: int = 8, repeat: int = 8, prompt: int = 4) -> list[dict]:
@@ -101,6 +107,10 @@ def test_trainer_run_trains_the_draft_logs_at_log_steps_and_exports_at_save_step
     assert not torch.equal(earlier.state_dict()["fc.weight"], exported.state_dict()["fc.weight"])
     with safe_open(str(tmp_path / "checkpoint-12" / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == {f"objective.draft.{k}" for k in module.draft.state_dict()}
+    # `dflash export` reads the plain Trainer's checkpoint (its weights, the config of its dflash-draft export).
+    assert main(["export", str(tmp_path / "checkpoint-12"), str(tmp_path / "exported")]) == 0
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "exported" / name).read_bytes() == (callback.exports[-1] / name).read_bytes(), name
 
 
 @pytest.mark.parametrize(("trainer_cls", "accum"), [(Trainer, 1), (Trainer, 2), (DFlashHFTrainer, 2)])
@@ -258,6 +268,65 @@ def test_resume_restores_the_draft_and_the_anchor_stream(tmp_path):
     assert resumed.micro_step == 8  # set to 4 at on_train_begin, then 4 more micro-batches
     for name, value in straight.draft.state_dict().items():
         torch.testing.assert_close(resumed.draft.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hf_trainer_saves_the_published_draft_and_resumes_exactly(tmp_path):
+    """DFlashHFTrainer: save_model() and every checkpoint are the published format, byte for byte what
+    `dflash export` writes from the checkpoint; a resume from such a checkpoint continues exactly."""
+    straight = _module(target="tiny-llama")
+    trainer = _train(tmp_path / "run", straight, trainer_cls=DFlashHFTrainer, max_steps=8, save_steps=4)
+    final = tmp_path / "final"
+    trainer.save_model(str(final))
+    assert not (final / TRAINER_DRAFT_NAME).exists()  # a save_model output is what gets served or pushed
+    draft = load_exported(final, target_model=straight.target)
+    for name, value in straight.draft.state_dict().items():
+        assert torch.equal(draft.state_dict()[name], value.to(torch.bfloat16).float()), name
+    config = json.loads((final / "config.json").read_text())
+    assert config["dflash_config"]["target"] == "tiny-llama"
+    checkpoint = tmp_path / "run" / "checkpoint-8"
+    assert (checkpoint / TRAINER_DRAFT_NAME).is_file() and not (checkpoint / EXPORT_DIRNAME).exists()
+    assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+    for name in ("config.json", "model.safetensors"):
+        exported = (tmp_path / "exported" / name).read_bytes()
+        assert exported == (final / name).read_bytes() == (checkpoint / name).read_bytes(), name
+
+    resumed = _module(target="tiny-llama")
+    with torch.no_grad():  # another starting point: the checkpoint must overwrite it
+        for p in resumed.draft.parameters():
+            p.add_(1.0)
+    _train(tmp_path / "run", resumed, trainer_cls=DFlashHFTrainer, max_steps=8, save_steps=4,
+           resume=str(tmp_path / "run" / "checkpoint-4"))
+    for name, value in straight.draft.state_dict().items():  # bf16 weights would miss by ~1e-3
+        torch.testing.assert_close(resumed.draft.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_trainconfig_keys_that_trainingarguments_runs_must_agree_with_it(tmp_path):
+    """TrainingArguments wins for the optimizer, schedule, steps, batch, seed and device: a TrainConfig value
+    set to something else is refused with the argument to set, on both Trainer paths; agreeing or default
+    values pass, and the anchors follow args.seed."""
+    def hf(module, **args):
+        return DFlashHFTrainer(model=module, args=_args(tmp_path, **args), train_dataset=_rows(),
+                               data_collator=Collator(0, 32))
+
+    with pytest.raises(ValueError, match=r"optim\.lr=0\.001, but TrainingArguments\.learning_rate=0\.003") as err:
+        hf(_module(optim__lr=1e-3, seed=5, optim__warmup_ratio=0.1))
+    assert "seed=5, but TrainingArguments.seed=42" in str(err.value)
+    assert "optim.warmup_ratio=0.1, but TrainingArguments.warmup_steps=0" in str(err.value)
+    agreeing = _module(seed=5, optim__warmup_ratio=0.1, optim__max_grad_norm=0.5)
+    hf(agreeing, seed=5, warmup_steps=0.1, max_grad_norm=0.5)
+    assert agreeing.seed == 5
+    defaults = _module()
+    hf(defaults, seed=11)
+    assert defaults.seed == 11  # TrainConfig left seed at its default: TrainingArguments' seed draws the anchors
+    assert config_conflicts(TrainConfig(device="cuda:0"), _args(tmp_path)) == [
+        "device='cuda:0', but TrainingArguments.device=device(type='cpu')"]
+
+    plain = _module()
+    plain.config.max_steps = 50
+    trainer = Trainer(model=plain, args=_args(tmp_path, max_steps=4), train_dataset=_rows(),
+                      data_collator=Collator(0, 32), callbacks=[DFlashCallback(plain)])
+    with pytest.raises(ValueError, match="max_steps=50, but TrainingArguments.max_steps=4"):
+        trainer.train()
 
 
 def test_state_dict_holds_the_draft_only_and_loads_strictly():

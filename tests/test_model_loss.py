@@ -228,12 +228,14 @@ def test_tiny_draft_overfits_a_fixed_batch():
     assert losses[1] < 0.5 * losses[0], losses
 
 
-def test_grad_accumulation_equals_one_big_batch(monkeypatch):
-    """Global token normalization: 2 micro-batches give the same update as their concatenation."""
+@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
+def test_grad_accumulation_equals_one_big_batch(monkeypatch, position_weights):
+    """Global token normalization: 2 micro-batches give the same update as their concatenation (D-PACE
+    too: its weights come after each forward, its denominator, the supervised-slot count, before)."""
     batch = random_batch(batch=4, seed=1)
     batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
-    big = _trainer(optim__grad_accum=1)
-    acc = _trainer(optim__grad_accum=2)
+    big = _trainer(optim__grad_accum=1, draft__position_weights=position_weights)
+    acc = _trainer(optim__grad_accum=2, draft__position_weights=position_weights)
     acc.draft.load_state_dict(big.draft.state_dict())
     # same anchors: both draw per micro-batch row with the same generator stream
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]

@@ -6,12 +6,19 @@ The notebook reads its parameters from the environment (`DFLASH_NOTEBOOK_TINY=1`
 executes the notebook in its real configuration and prints each cell's time:
 
     python tests/test_notebook.py [RUN_DIR] [PLOTS_DIR]
+
+The notebook is committed with the outputs of one real run, so that its plots show when the repository
+is browsed. To record them again (a Jupyter kernel, `pip install nbclient ipykernel`; about six minutes
+on two CPU cores):
+
+    python tests/test_notebook.py --record
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,13 +60,19 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def test_cells_are_plain_python_and_saved_without_outputs():
+def test_cells_are_plain_python_and_the_saved_outputs_are_one_run():
     nb = json.loads(NOTEBOOK.read_text())
-    for index, cell in enumerate(c for c in nb["cells"] if c["cell_type"] == "code"):
-        assert cell["outputs"] == [] and cell["execution_count"] is None, f"code cell {index} has saved outputs"
+    cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    for index, cell in enumerate(cells):
         source = "".join(cell["source"])
         compile(source, f"cell {index}", "exec")  # no IPython magics or shell escapes: exec must run it
         assert not any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()), index
+    if any(cell["outputs"] for cell in cells):  # recorded by `--record`: every cell, top to bottom, plots shown
+        assert [cell["execution_count"] for cell in cells] == list(range(1, len(cells) + 1))
+        assert not [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
+        images = [i for i, c in enumerate(cells) if any("image/png" in o.get("data", {}) for o in c["outputs"])]
+        plotting = [i for i, c in enumerate(cells) if "plt.show()" in "".join(c["source"])]
+        assert images == plotting and plotting, (images, plotting)
 
 
 def test_notebook_runs_end_to_end_on_a_tiny_configuration(tmp_path, monkeypatch):
@@ -135,7 +148,48 @@ def test_plot_run_refuses_a_folder_without_history(tmp_path):
         plot_run(tmp_path)
 
 
-if __name__ == "__main__":  # the real configuration, e.g. to refresh docs/images
+def as_terminal(text: str) -> str:
+    """A stream as a terminal leaves it: on each line, what follows the last carriage return (a progress
+    bar's final state, not every redraw), cursor-movement escapes dropped, blank lines folded."""
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n") + "\n"
+
+
+def _merged_streams(outputs: list[Any]) -> list[Any]:
+    """Consecutive outputs of one stream joined into one, as a notebook front end shows them."""
+    merged: list[Any] = []
+    for output in outputs:
+        if (output.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream"
+                and merged[-1]["name"] == output["name"]):
+            merged[-1]["text"] += output["text"]
+        else:
+            merged.append(output)
+    return merged
+
+
+def record_outputs(path: Path = NOTEBOOK, timeout: int = 3600) -> None:
+    """Run the notebook in a Jupyter kernel (the real configuration, from the repository root) and save it
+    with its outputs, streams as a terminal shows them."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parents[1])}}).execute()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = _merged_streams(cell.outputs)
+            for output in cell.outputs:
+                if output.get("output_type") == "stream":
+                    output["text"] = as_terminal(output["text"])
+            cell.outputs = [o for o in cell.outputs if o.get("output_type") != "stream" or o["text"].strip()]
+    nbformat.write(nb, path)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    record_outputs()
+elif __name__ == "__main__":  # the real configuration, e.g. to refresh docs/images
     if len(sys.argv) > 1:
         os.environ["DFLASH_NOTEBOOK_RUN_DIR"] = sys.argv[1]
     if len(sys.argv) > 2:

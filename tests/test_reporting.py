@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash.reporting import Reporter, format_line, read_history
+from dflash.reporting import Reporter, format_line, read_history, split_warning, window_metrics
 
 
 def test_jsonl_and_console_line(tmp_path):
@@ -32,3 +32,18 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
 def test_unknown_sink_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown sink"):
         Reporter(tmp_path, ["mlflow"], {})
+
+
+def test_throughput_is_input_tokens_per_second_over_all_ranks_and_per_rank():
+    flushed = {"loss": 1.0, "tau": 1.2, "supervised_tokens": 300.0}
+    two = window_metrics(flushed, elapsed=2.0, tokens=1000, world_size=2)  # this rank: 1000 tokens in 2 s
+    assert (two["tokens_per_s"], two["tokens_per_s_per_rank"], two["supervised_tokens_per_s"]) == (1000.0, 500.0, 150.0)
+    assert format_line(4, 8, two) == ("step 4/8 | loss 1.0000 | tau 1.200 | tokens/s 1,000 over 2 ranks "
+                                      "(500 per rank)")
+    one = window_metrics(flushed, elapsed=2.0, tokens=1000)
+    assert format_line(4, 8, one) == "step 4/8 | loss 1.0000 | tau 1.200 | tokens/s 500"
+
+
+def test_held_out_rows_outnumbering_training_rows_warn():
+    assert split_warning(100, 32) is None and split_warning(32, 32) is None
+    assert split_warning(7, 32).startswith("32 held-out rows outnumber the 7 training rows")

@@ -68,7 +68,7 @@ def test_bench_step_two_processes(tmp_path, mode):
 
 def test_gpu_kernel_time_skips_annotation_ranges():
     """A record_function range shows on the device with the time of the kernels inside it: counted,
-    it doubles them (the session 4 profile read 13.5 ms of optimizer for 7.9 ms of kernels)."""
+    it doubles them (the `a312745` profile read 13.5 ms of optimizer for 7.9 ms of kernels)."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -92,7 +92,7 @@ def test_gpu_kernel_time_skips_annotation_ranges():
 
 def test_memory_breakdown_counts_gradients_only_when_alive_at_the_peak(monkeypatch):
     """Eager steps free the gradients after the update: when the step's peak comes in the forward pass,
-    they hold none of it (session 4's breakdown counted all 1.95 GiB of them whatever the phase)."""
+    they hold none of it (the `a312745` breakdown counted all 1.95 GiB of them whatever the phase)."""
     from conftest import make_tiny_target, random_batch, tiny_config
     from dflash.trainer import DFlashTrainer
 

@@ -1,7 +1,9 @@
 """The tensor-parallel frozen target (CPU, gloo, `torch.distributed.run`): equality with the
 single-process FrozenTarget, the three schedules (identical, and the overlap schedule's order of
 issues and waits), the group-batch path, per-rank bytes, sync-freedom, errors, sharded loading, a
-(dp x tp) = 2 x 2 mesh, and the bench_tp.py smoke run.
+(dp x tp) = 2 x 2 mesh, and the bench_tp.py smoke run; training with `tensor_parallel.size` (a step
+equal to one process on the concatenated batch, sync-free, a whole `fit()`), the lockstep speculative
+decode, the settings refused at start and the dry run.
 
 One 2-process launch of tests/tp_worker.py serves most tests (module fixture); checks that need no
 process group run in this process.
@@ -16,10 +18,18 @@ from typing import Any
 
 import pytest
 import torch
+from dist_worker import fixed_plan
+from tp_training_checks import LABELS
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, Qwen3Config
 
+from conftest import make_tiny_target, tiny_config
+from dflash.config import TrainConfig
+from dflash.factory import build_objective
+from dflash.plan import plan
+from dflash.state import accepted_changes, config_differences
 from dflash.tensor_parallel import check_tp_support
 from dflash.tp_overlap import batch_halves, schedule_for
+from dflash.trainer import DFlashTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5  # fp32: the sharded matmuls sum in a different order than the whole ones
@@ -87,7 +97,8 @@ def test_group_batch_returns_each_ranks_own_rows(ranks):
     for rank, results in ranks.items():
         for rows, row in results["equality"]["group"].items():
             assert row["gathered_equal"], (rank, rows)
-            assert row["shape"][0] == int(rows.removeprefix("rows"))
+            assert row["shape"][0] == (2 if rows == "padded" else int(rows.removeprefix("rows")))
+            assert rows != "padded" or row["shape"][1] == row["length"] == 24 - 8 * rank  # cut back to its own length
             assert row["features"][0] <= ATOL and row["features_greedy_path"][0] <= ATOL, (rank, rows, row)
             assert row["greedy_equal"], (rank, rows)
 
@@ -113,8 +124,8 @@ def test_tp_forward_makes_no_host_sync(ranks):
 
 def test_bad_settings_in_a_group_fail_with_the_fix(ranks):
     errors = ranks[0]["errors"]
-    assert "num_key_value_heads=1" in errors["kv_heads"] and "set target.tp_size to one of [1]" in errors["kv_heads"]
-    assert "not a multiple of target.tp_size=3" in errors["world"]
+    assert "num_key_value_heads=1" in errors["kv_heads"] and "set tensor_parallel.size to one of [1]" in errors["kv_heads"]
+    assert "not a multiple of tensor_parallel.size=3" in errors["world"]
     assert "choose one of" in errors["schedule"]
     assert "out of range" in errors["layers"]
 
@@ -128,9 +139,15 @@ def test_from_pretrained_reads_only_this_ranks_shards(ranks):
         assert results["loading"]["llama_bias_sharded"]["files"] > 1  # an index over several files
 
 
-def test_dp_by_tp_mesh_on_four_processes(tmp_path):
-    launch(4, "tests/tp_worker.py", "mesh", str(tmp_path / "mesh.pt"))
-    ranks = torch.load(tmp_path / "mesh.pt", weights_only=False)
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("mesh")
+    launch(4, "tests/tp_worker.py", "mesh", str(tmp / "mesh.pt"))
+    return torch.load(tmp / "mesh.pt", weights_only=False)
+
+
+def test_dp_by_tp_mesh_on_four_processes(mesh_ranks):
+    ranks = mesh_ranks
     assert [(r["dp_rank"], r["tp_rank"]) for r in ranks.values()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank, r in ranks.items():
         assert r["group_batch"] == (4, 24)  # the group's two micro-batches, not the world's four
@@ -152,10 +169,10 @@ def _llama(**overrides: Any) -> LlamaConfig:
 
 
 @pytest.mark.parametrize(("config", "tp", "message"), [
-    (_llama(), 3, "target.tp_size=3 does not divide num_attention_heads=4, num_key_value_heads=2, intermediate_size=128"),
+    (_llama(), 3, "tensor_parallel.size=3 does not divide num_attention_heads=4, num_key_value_heads=2, intermediate_size=128"),
     (_llama(num_attention_heads=8, num_key_value_heads=2), 4, "num_key_value_heads=2: each rank must hold whole"),
     (_llama(intermediate_size=130), 4, "intermediate_size=130"),
-    (_llama(), 0, "target.tp_size=0 does not divide"),
+    (_llama(), 0, "tensor_parallel.size=0 does not divide"),
     (GPT2Config(), 2, "'gpt2' has no tensor-parallel plan (config.base_model_tp_plan): run it replicated"),
     (GemmaConfig(), 2, "'gemma' is not supported under tensor parallelism (supported: llama, qwen2, qwen3)"),
     (Qwen3Config(use_sliding_window=True, max_window_layers=1, num_hidden_layers=2), 1, "sliding-window layers"),
@@ -182,3 +199,110 @@ def test_batch_halves_split_even_batches_only():
     assert schedule_for(True) == "overlap" and schedule_for(False) == "unsplit"
     with pytest.raises(ValueError, match="unknown tensor-parallel schedule"):
         batch_halves(4, "domino")
+
+
+# ---- training and evaluation with tensor_parallel.size > 1 ----
+
+
+def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks, monkeypatch):
+    """tp = 2 on 2 ranks (each its 2 rows, the target run once on the group's 4) = one process on the
+    4 rows: gradients (DDP-averaged over both ranks) and metrics, for data labels and target labels."""
+    batch, anchors, keep = fixed_plan()
+    monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None: (anchors, keep))
+    for labels, overrides in LABELS.items():
+        one = DFlashTrainer(tiny_config(**overrides), target=make_tiny_target())
+        one.draft.load_state_dict(ranks[0]["training"][labels]["init"])  # DDP broadcast rank 0's
+        monkeypatch.setattr(one.optimizer, "step", lambda: None)
+        monkeypatch.setattr(one.optimizer, "zero_grad", lambda set_to_none=True: None)
+        one.train_step(batch)
+        single = one.metrics.flush()
+        for rank, results in ranks.items():
+            two = results["training"][labels]
+            for name, p in one.draft.named_parameters():  # observed (fp32): max abs 3.6e-7, 7e-7 of the tensor max
+                torch.testing.assert_close(two["grads"][name], p.grad, rtol=1e-4, atol=1e-7, msg=f"{labels} {rank} {name}")
+            for key in ("loss", "accuracy", "tau", "supervised_tokens", "anchors_kept"):
+                assert two["metrics"][key] == pytest.approx(single[key], rel=1e-5), (labels, rank, key)
+
+
+def test_tp_training_holds_a_shard_and_makes_no_host_sync(ranks):
+    for results in ranks.values():
+        training = results["training"]
+        assert training["target_type"] == "GroupBatchTarget"
+        tp, rep = training["memory"]["tp"], training["memory"]["replicated"]
+        assert tp["layers"] / rep["layers"] == pytest.approx(0.5, abs=0.01)
+        assert tp["embedding"] == rep["embedding"] and tp["lm_head"] == rep["lm_head"]
+        assert training["syncs"] == []  # ranks of 32 and 16 tokens, one non-log step under forbid_syncs
+        assert training["after_sync_check"] == training["after_sync_check"]  # finite loss (not NaN)
+        assert "num_attention_heads=3" in training["heads_error"] and "tensor_parallel.size" in training["heads_error"]
+
+
+def test_lockstep_decode_equals_the_single_process_decode(ranks):
+    leader, follower = ranks[0]["decode"], ranks[1]["decode"]
+    assert (leader["role"], follower["role"]) == ("leader", "follower")
+    assert leader["texts_equal"]  # the same outputs token for token (lossless-checked on both)
+    assert leader["tau"][0] == leader["tau"][1] > 1.0  # the draft's tokens were accepted
+    assert leader["per_prompt_target_forwards"][0] == leader["per_prompt_target_forwards"][1]
+    assert leader["no_cache_logits_diff"] <= ATOL
+    assert leader["raised"] == "planted" and follower["released"] and leader["released"]
+
+
+def test_fit_with_a_sharded_target_evaluates_and_exports(ranks):
+    """`fit()` with tensor_parallel.size=2 from a saved folder: each rank loads half the heads, trains on
+    its own rows (of different padded lengths), evaluates held-out rows, and rank 0 reports the lockstep
+    speculative evaluation (lossless) and exports."""
+    for rank, results in ranks.items():
+        fit = results["fit"]
+        assert fit["steps"] == 4 and fit["q_proj_shape"] == (32, 64), (rank, fit)
+        assert fit["train_loss"] == fit["train_loss"] and fit["held_out_loss"] == fit["held_out_loss"]
+    spec = ranks[0]["fit"]["speculative"]
+    assert spec["lossless"] and spec["num_prompts"] == 3 and spec["tau"] >= 1.0
+    assert ranks[0]["fit"]["eval_json"] and ranks[0]["fit"]["export"]
+    assert ranks[1]["fit"]["speculative"] is None  # it followed rank 0's decode; rank 0 reports
+    # `dflash eval` under the launch: every rank returns rank 0's report, equal to the one-process evaluation's
+    assert ranks[0]["fit"]["eval_tp"] == ranks[1]["fit"]["eval_tp"] == ranks[0]["fit"]["eval_one"]
+    assert ranks[0]["fit"]["eval_tp"]["lossless"]
+
+
+def test_dp_by_tp_training_on_four_processes(mesh_ranks):
+    for rank, r in mesh_ranks.items():
+        training = r["training"]
+        losses = training["ddp_losses"] + training["fsdp2_losses"]
+        assert all(loss == loss and loss > 0 for loss in losses), (rank, training)
+        assert training["ddp_losses"] == pytest.approx(training["fsdp2_losses"], rel=1e-5)  # observed: 1.4e-8
+        assert training["fsdp"]
+        assert training["tp_group_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        tp, rep = training["memory"]["tp"], training["memory"]["replicated"]
+        assert tp["layers"] / rep["layers"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_bad_tensor_parallel_settings_fail_at_start():
+    with pytest.raises(ValueError, match=r"tensor_parallel.size=2 needs a number of processes that is a multiple of it, "
+                                         r"and this launch has 1: launch a multiple of 2 processes"):
+        DFlashTrainer(tiny_config(tensor_parallel__size=2), target=make_tiny_target())
+    with pytest.raises(ValueError, match="cuda_graph: true is not supported with tensor_parallel.size > 1"):
+        TrainConfig.from_sources(None, ["tensor_parallel.size=2", "cuda_graph=true"], presets=False)
+    with pytest.raises(ValueError, match="tensor_parallel.size must be >= 1"):
+        TrainConfig.from_sources(None, ["tensor_parallel.size=0"], presets=False)
+    with pytest.raises(ValueError, match="the transformers.Trainer path does not support tensor parallelism"):
+        build_objective(tiny_config(tensor_parallel__size=2), make_tiny_target(), None, device=torch.device("cpu"),
+                        dtype=torch.float32)
+
+
+def test_dry_run_shows_the_mesh_and_the_per_rank_target_memory(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    p = plan(TrainConfig.from_sources(None, ["tensor_parallel.size=3", "device=cpu"]))  # SmolLM2: 9 heads, 3 KV heads
+    assert p["mesh"].startswith("dp 2 x tp 3 (6 processes")
+    assert "decoder layers 135.1 MiB of 405.1 MiB" in p["target_memory_per_rank"], p["target_memory_per_rank"]
+    monkeypatch.delenv("WORLD_SIZE")
+    assert plan(TrainConfig.from_sources(None, ["device=cpu"]))["mesh"] == "dp 1 x tp 1"
+    with pytest.raises(ValueError, match=r"set tensor_parallel.size to one of \[1, 3\]"):
+        plan(TrainConfig.from_sources(None, ["tensor_parallel.size=2", "device=cpu"]))
+
+
+def test_resume_refuses_another_tensor_parallel_size_and_accepts_overlap():
+    saved = TrainConfig().to_dict()
+    saved["tensor_parallel"] = {"size": 2, "overlap": True}
+    current = TrainConfig().to_dict()
+    current["tensor_parallel"] = {"size": 4, "overlap": False}
+    assert config_differences(saved, current) == ["tensor_parallel.size: 2 -> 4"]
+    assert "tensor_parallel.overlap: True -> False" in accepted_changes(saved, current)

@@ -5,9 +5,12 @@
                                                and Qwen2; tied / untied; biases; layer subsets; batches
                                                4, 3 and 1; the three schedules), the group-batch path,
                                                parameter bytes, sync findings, errors, sharded loading of
-                                               checkpoints saved under DIR.
+                                               checkpoints saved under DIR; then training, the lockstep
+                                               decode and a whole `fit()` under tensor_parallel.size=2
+                                               (tests/tp_training_checks.py).
     python tests/tp_worker.py mesh OUT         4 ranks, a (dp x tp) = 2 x 2 mesh: each rank's own rows of
-                                               the group batch against the single-process target.
+                                               the group batch against the single-process target, and two
+                                               training steps.
 
 Each rank measures; rank 0 writes `{rank: results}` to OUT (torch.save). The test asserts.
 """
@@ -32,6 +35,8 @@ from transformers import (
 )
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from tp_training_checks import decode_checks, fit_checks, mesh_training_checks, training_checks  # noqa: E402
 
 import dflash.tp_overlap as tp_overlap  # noqa: E402
 from conftest import make_tiny_target  # noqa: E402
@@ -205,6 +210,15 @@ def group_checks(tp: TensorParallelTarget, ref: FrozenTarget, ids: torch.Tensor)
                                        "features_greedy_path": rel_diff(g_feats, want_feats),
                                        "greedy_equal": torch.equal(greedy, want_greedy),
                                        "shape": tuple(feats.shape)}
+    # Ranks of different lengths (each collator pads to its own bucket): padded to `length` for the gather.
+    padded = GroupBatchTarget(tp, length=SEQ)
+    mine = ids[2 * rank : 2 * rank + 2, : SEQ - 8 * rank]  # rank 0: 24 tokens, rank 1: 16
+    want_feats, want_greedy = ref.features_and_greedy(mine)
+    feats = padded(mine)
+    g_feats, greedy = padded.features_and_greedy(mine)
+    out["padded"] = {"gathered_equal": True, "features": rel_diff(feats, want_feats),
+                     "features_greedy_path": rel_diff(g_feats, want_feats), "greedy_equal": torch.equal(greedy, want_greedy),
+                     "shape": tuple(feats.shape), "length": mine.shape[1]}
     return out
 
 
@@ -272,9 +286,10 @@ def main() -> None:
     if mode == "checks":
         mesh = tp_mesh(2, "cpu")
         results = {"equality": equality_checks(mesh, ids), "errors": error_checks(mesh),
-                   "loading": loading_checks(mesh, Path(sys.argv[3]), ids[:4])}
+                   "loading": loading_checks(mesh, Path(sys.argv[3]), ids[:4]), "training": training_checks(),
+                   "decode": decode_checks(mesh), "fit": fit_checks(Path(sys.argv[3]))}
     else:
-        results = mesh_checks(ids)
+        results = {**mesh_checks(ids), "training": mesh_training_checks()}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

@@ -1,0 +1,197 @@
+"""Reading offline target features (written by `dflash.features.write_features`).
+
+`check_manifest` refuses a feature folder made for another target, other layer ids, another tokenizer,
+dtype or max length, or with a missing, truncated or corrupted shard, naming what differs and the command
+that regenerates it. `FeatureDataset` serves its rows (memory-mapped safetensors shards) as a torch
+Dataset, and `FeatureCollator` pads them exactly as `dflash.data.Collator` pads token rows, with the
+features padded alongside (zeros), as CPU tensors ready for pinning.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset
+
+from dflash.data import Collator
+from dflash.features import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PARTIAL,
+    config_hash,
+    dtype_name,
+    file_sha256,
+    head_checksum,
+    regenerate_command,
+)
+from dflash.tokenization import tokenizer_fingerprint
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a complete feature folder (a ValueError with the regeneration command otherwise)."""
+    folder = Path(directory)
+    path = folder / MANIFEST
+    if not path.is_file():
+        state = "an unfinished feature run (resume it)" if (folder / PARTIAL).is_file() else "no feature manifest"
+        raise ValueError(f"{folder} holds {state}: {regenerate_command(folder)}")
+    return json.loads(path.read_text())
+
+
+def _mismatch(folder: Path, what: str, expected: Any, found: Any) -> ValueError:
+    return ValueError(f"features in {folder} were made for another {what}: expected {expected}, found {found}; "
+                      f"regenerate them: {regenerate_command(folder)}")
+
+
+def check_manifest(directory: str | os.PathLike[str], *, target_name: str, target_config: Any,
+                   layer_ids: Sequence[int], dtype: torch.dtype | str, tokenizer: Any, max_length: int,
+                   labels: bool, target: Any = None, verify_checksums: bool = True) -> dict[str, Any]:
+    """The folder's manifest, after refusing (ValueError naming expected vs found and the regeneration
+    command) features of another target (name or config; with `target`, an object with `embed_weight` and
+    `lm_head_weight` such as `OfflineTarget`, also its embedding / head), other layer ids, tokenizer, dtype
+    or max length, without greedy labels when `labels` is asked for, and a missing or truncated shard
+    (size) or, with `verify_checksums` (reads every shard once), a shard whose content changed."""
+    folder = Path(directory)
+    manifest = read_manifest(folder)
+    header = manifest["header"]
+    if header.get("version") != FORMAT_VERSION:
+        raise _mismatch(folder, "format version", FORMAT_VERSION, header.get("version"))
+    found_target = header["target"]
+    if found_target["name"] != target_name:
+        raise _mismatch(folder, "target", repr(target_name), repr(found_target["name"]))
+    if found_target["config_hash"] != config_hash(target_config):
+        raise _mismatch(folder, f"target config (target {target_name!r})", f"config hash {config_hash(target_config)}",
+                        f"config hash {found_target['config_hash']}")
+    if target is not None:
+        checksum = head_checksum(target.embed_weight, target.lm_head_weight)
+        if checksum != found_target["head_checksum"]:
+            raise _mismatch(folder, "target's weights (embedding / LM head)", checksum, found_target["head_checksum"])
+    if list(header["layer_ids"]) != list(layer_ids):
+        raise _mismatch(folder, "set of layer ids", list(layer_ids), header["layer_ids"])
+    if header["dtype"] != dtype_name(dtype):
+        raise _mismatch(folder, "dtype", dtype_name(dtype), header["dtype"])
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if header["tokenizer"] != fingerprint:
+        raise _mismatch(folder, "tokenizer", f"fingerprint {fingerprint[:16]}", f"fingerprint {header['tokenizer'][:16]}")
+    if header["max_length"] != max_length:
+        raise _mismatch(folder, "max length", max_length, header["max_length"])
+    if labels and not header["labels"]:
+        raise _mismatch(folder, "label setting (data.labels: target needs the target's greedy labels)",
+                        "labels included", "no labels")
+    check_shards(folder, manifest, verify_checksums=verify_checksums)
+    return manifest
+
+
+def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums: bool = True) -> None:
+    """Refuse a missing, truncated (size) or, with `verify_checksums`, corrupted shard, or rows not covered."""
+    covered = 0
+    for entry in manifest["shards"]:
+        path = folder / entry["file"]
+        if not path.is_file():
+            raise ValueError(f"feature shard {path} is missing; regenerate it: {regenerate_command(folder)}")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise ValueError(f"feature shard {path} is truncated or changed: expected {entry['bytes']} bytes, found "
+                             f"{size}; regenerate it: {regenerate_command(folder)}")
+        if verify_checksums and (digest := file_sha256(path)) != entry["sha256"]:
+            raise ValueError(f"feature shard {path} is corrupted: expected sha256 {entry['sha256']}, found {digest}; "
+                             f"regenerate it: {regenerate_command(folder)}")
+        if entry["rows"][0] != covered:
+            raise ValueError(f"feature shards of {folder} do not cover rows {covered}..{entry['rows'][0] - 1}; "
+                             f"regenerate them: {regenerate_command(folder)}")
+        covered = entry["rows"][1]
+    if covered != manifest["header"]["num_rows"]:
+        raise ValueError(f"feature shards of {folder} hold {covered} of {manifest['header']['num_rows']} rows; "
+                         f"regenerate them: {regenerate_command(folder)}")
+
+
+class FeatureDataset(Dataset):
+    """Rows of a feature folder: `{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L], "features":
+    Tensor[L, K*H], optional "labels": LongTensor[L]}` in row order.
+
+    Shards are memory-mapped (`safetensors.safe_open`) on first use in each process, so a DataLoader's
+    workers each open their own; a row reads only its own slice. The manifest is read (and its shards'
+    sizes checked) at construction; call `check_manifest` first to also compare the settings.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        check_shards(self.directory, self.manifest, verify_checksums=False)
+        self.header = self.manifest["header"]
+        self.files = [entry["file"] for entry in self.manifest["shards"]]
+        self.starts = [entry["rows"][0] for entry in self.manifest["shards"]]
+        self.has_labels = bool(self.header["labels"])
+        self._offsets: list[list[int] | None] = [None] * len(self.files)
+        self._handles: dict[int, Any] = {}
+        self._pid: int | None = None
+
+    def __len__(self) -> int:
+        return self.header["num_rows"]
+
+    @property
+    def feature_dim(self) -> int:
+        return self.header["feature_dim"]
+
+    def _shard(self, k: int) -> Any:
+        if self._pid != os.getpid():  # a forked worker: open its own maps
+            self._handles, self._pid = {}, os.getpid()
+        if k not in self._handles:
+            self._handles[k] = safe_open(str(self.directory / self.files[k]), framework="pt")
+            self._offsets[k] = self._handles[k].get_tensor("offsets").tolist()
+        return self._handles[k]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range for {len(self)} feature rows")
+        k = bisect.bisect_right(self.starts, index) - 1
+        shard = self._shard(k)
+        offsets = self._offsets[k]
+        assert offsets is not None
+        i = index - self.starts[k]
+        a, b = offsets[i], offsets[i + 1]
+        row = {
+            "input_ids": shard.get_slice("input_ids")[a:b].long(),
+            "loss_mask": shard.get_slice("loss_mask")[a:b].bool(),
+            "features": shard.get_slice("features")[a:b],
+        }
+        if self.has_labels:
+            row["labels"] = shard.get_slice("labels")[a:b].long()
+        return row
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable for spawned workers: maps are reopened there
+        state = dict(self.__dict__)
+        state["_handles"], state["_pid"] = {}, None
+        return state
+
+
+class FeatureCollator:
+    """Pads feature rows like `collator` (a `dflash.data.Collator`) pads their tokens: the same bucketed
+    length S, and `num_anchors` when it names anchor widths. Adds `features [B, S, K*H]` (zeros on
+    padding) and, for rows with labels, `labels [B, S]` (the pad token on padding). CPU tensors."""
+
+    def __init__(self, collator: Collator) -> None:
+        self.collator = collator
+
+    def __call__(self, rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+        batch = self.collator(rows)
+        batch_size, seq = batch["input_ids"].shape
+        first = rows[0]["features"]
+        features = torch.zeros((batch_size, seq, first.shape[-1]), dtype=first.dtype)
+        for b, row in enumerate(rows):
+            n = min(len(row["features"]), seq)
+            features[b, :n] = row["features"][:n]
+        batch["features"] = features
+        if "labels" in rows[0]:
+            labels = torch.full((batch_size, seq), self.collator.pad_token_id, dtype=torch.long)
+            for b, row in enumerate(rows):
+                n = min(len(row["labels"]), seq)
+                labels[b, :n] = row["labels"][:n]
+            batch["labels"] = labels
+        return batch
