@@ -186,7 +186,7 @@ class DFlashHFTrainer(Trainer):
 
 def _load_draft(module: DFlashTrainingModule, folder: Path) -> bool:
     """Load the draft of a `DFlashHFTrainer` save in `folder` into `module`; False when `folder` holds none."""
-    side = folder / 'absent'
+    side = folder / TRAINER_DRAFT_NAME
     if side.is_file():
         module.draft.load_state_dict(load_file(str(side)), strict=True)
         return True
