@@ -18,7 +18,7 @@ _LAZY = {
     "DFlashDraftModel": "dflash.modeling",
     "FrozenTarget": "dflash.target",
     "TensorParallelTarget": "dflash.tensor_parallel",
-    "GroupBatchTarget": "dflash.tp_overlap",
+    "GroupBatchTarget": "dflash.tp_group",
     "TrainConfig": "dflash.config",
     "DFlashTrainer": "dflash.trainer",
     "forbid_syncs": "dflash.diagnostics",

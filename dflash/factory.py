@@ -24,7 +24,8 @@ from dflash.objective import DFlashObjective
 from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
 from dflash.target import FrozenTarget, resolve_mask_token_id
 from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
-from dflash.tp_overlap import GroupBatchTarget, schedule_for
+from dflash.tp_group import GroupBatchTarget
+from dflash.tp_overlap import schedule_for
 
 log = logging.getLogger("dflash")
 

@@ -66,7 +66,42 @@ def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterato
         captured.remove()
 
 
-class FrozenTarget(nn.Module):
+class SharedHead:
+    """What a draft reads off its target's HF causal LM (`self.model`): the text config, the frozen
+    embedding and the LM head. Shared by `FrozenTarget` and the tensor-parallel target (whose embedding
+    and head are whole on every rank)."""
+
+    model: nn.Module
+
+    @property
+    def text_config(self) -> Any:
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """`[V, H]` frozen input embedding table."""
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """`[V, H]` frozen LM head (tied or not)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table (may exceed the tokenizer's vocabulary, e.g. padded tables)."""
+        return self.embed_weight.shape[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
+
+
+class FrozenTarget(SharedHead, nn.Module):
     """A frozen causal LM seen through the features the draft needs.
 
     `features(input_ids)` returns `[B, S, K*H]`: the output of decoder layer i (HF's
@@ -101,33 +136,6 @@ class FrozenTarget(nn.Module):
 
     def train(self, mode: bool = True) -> FrozenTarget:  # the target never leaves eval mode
         return super().train(False)
-
-    @property
-    def text_config(self) -> Any:
-        cfg = self.model.config
-        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text_config.hidden_size
-
-    @property
-    def embed_weight(self) -> torch.Tensor:
-        """`[V, H]` frozen input embedding table."""
-        return self.model.get_input_embeddings().weight
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """`[V, H]` frozen LM head (tied or not)."""
-        return self.model.get_output_embeddings().weight
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the embedding table (may exceed the tokenizer's vocabulary, e.g. padded tables)."""
-        return self.embed_weight.shape[0]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self.embed_weight)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

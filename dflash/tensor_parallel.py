@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.target import CAUSAL_WITHOUT_MASK, greedy_labels
+from dflash.target import CAUSAL_WITHOUT_MASK, SharedHead, greedy_labels
 from dflash.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
 # Decoders whose forward is embed -> rotary -> [norm, attention, residual, norm, MLP, residual] * L
@@ -225,14 +225,14 @@ def _refuse_sharded_forward(module: nn.Module, args: Any) -> None:
                        "and train on that file with data.regenerate: false")
 
 
-class TensorParallelTarget(nn.Module):
+class TensorParallelTarget(SharedHead, nn.Module):
     """A frozen causal LM whose decoder layers are sharded over a TP group (each rank ~1/tp).
 
     Every rank of the group calls it with the same `input_ids` `[B, S]` (right padded) and gets the
     same result: `forward` gives the features `[B, S, K*H]` (output of decoder layer i for each i in
     `layer_ids`, concatenated, as `FrozenTarget`), `features_and_greedy` also the greedy labels.
     `rows` restricts what is returned (and kept) to a contiguous slice of the batch: the group-batch
-    path (`dflash.tp_overlap.GroupBatchTarget`).
+    path (`dflash.tp_group.GroupBatchTarget`).
 
     `model`: an HF causal LM of a supported architecture, loaded with sdpa or flash attention, whole
     on every rank; its decoder linears are replaced by this rank's shards (the model is no longer
@@ -253,7 +253,7 @@ class TensorParallelTarget(nn.Module):
                              "attn_implementation='sdpa' (or a flash-attention implementation)")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown tensor-parallel schedule {schedule!r}; choose one of {SCHEDULES}")
-        self.num_layers = self.text_config_of(model).num_hidden_layers
+        self.num_layers = _text_config(model.config).num_hidden_layers
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad or not layer_ids:
             raise ValueError(f"target_layer_ids {layer_ids} out of range: the target has {self.num_layers} layers "
@@ -304,35 +304,6 @@ class TensorParallelTarget(nn.Module):
 
     def train(self, mode: bool = True) -> TensorParallelTarget:  # the target never leaves eval mode
         return super().train(False)
-
-    @staticmethod
-    def text_config_of(model: nn.Module) -> Any:
-        return _text_config(model.config)
-
-    @property
-    def text_config(self) -> Any:
-        return self.text_config_of(self.model)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text_config.hidden_size
-
-    @property
-    def embed_weight(self) -> torch.Tensor:
-        """`[V, H]` frozen input embedding table (whole on every rank)."""
-        return self.model.get_input_embeddings().weight
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """`[V, H]` frozen LM head, tied or not (whole on every rank)."""
-        return self.model.get_output_embeddings().weight
-
-    @property
-    def vocab_size(self) -> int:
-        return self.embed_weight.shape[0]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self.embed_weight)
 
     @torch.no_grad()
     def hidden_states(self, input_ids: torch.Tensor, *, rows: slice | None = None,

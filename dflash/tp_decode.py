@@ -32,7 +32,8 @@ from torch import nn
 
 from dflash.runtime import init_distributed, load_target_config, load_tokenizer, target_location
 from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
-from dflash.tp_overlap import GroupBatchTarget, run_trunk
+from dflash.tp_group import GroupBatchTarget
+from dflash.tp_overlap import run_trunk
 
 _STOP, _FORWARD = 0, 1
 _NO_CACHE, _NEW_CACHE, _SAME_CACHE = 0, 1, 2  # the header's cache modes

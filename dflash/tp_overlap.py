@@ -24,23 +24,19 @@ wait. Waits are `Work.wait()`: on NCCL a stream wait (the compute stream waits f
 the host does not block), on gloo the host waits for the collective's thread. Nothing reads a device
 value on the host. Odd and size-1 batches run unsplit (equal halves keep one shape per stage).
 
-The group batch (`group_features`, `GroupBatchTarget`): a TP group runs the target once on the
-concatenation of its ranks' micro-batches (gathered on the device) and each rank keeps its own rows.
+`gather_group_batch` and `own_rows` are the group batch's collectives (used by `dflash.tp_group`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
-
-if TYPE_CHECKING:  # annotations only: tensor_parallel imports this module
-    from dflash.tensor_parallel import TensorParallelTarget
 
 SCHEDULES = ("unsplit", "split", "overlap")
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; 2.11 has only the former.
@@ -181,89 +177,3 @@ def own_rows(batch: int, group: dist.ProcessGroup) -> slice:
     """This rank's rows of the gathered group batch, for a micro-batch of `batch` rows."""
     rank = dist.get_rank(group)
     return slice(rank * batch, (rank + 1) * batch)
-
-
-def group_features(target: TensorParallelTarget, input_ids: torch.Tensor, *, greedy: bool = False,
-                   chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(features `[b, S, K*H]`, greedy labels `[b, S]` or None) of this rank's own micro-batch
-    `input_ids` `[b, S]`, from one TP forward over the whole group batch `[tp * b, S]`: only the own
-    rows' features are kept, and only their logits computed (the LM head is whole on every rank)."""
-    rows = own_rows(input_ids.shape[0], target.group)
-    everything = gather_group_batch(input_ids, target.group)
-    if greedy:
-        return target.features_and_greedy(everything, chunk, rows=rows)
-    return target(everything, rows=rows), None
-
-
-class GroupBatchTarget(nn.Module):
-    """`FrozenTarget`'s interface on this rank's own micro-batch, for a `TensorParallelTarget`: each
-    call gathers the group's micro-batches, runs the sharded target once on them, and returns this
-    rank's rows. The draft then stays data-parallel over every rank with no repeated draft work.
-    Every rank of the group must call it, in the same order, with micro-batches of one row count.
-
-    `length`: every micro-batch shorter than it is right-padded to it before the gather, and the
-    results are cut back to its own length, so the ranks of a group (whose collators pad each batch
-    to the bucket of its own longest row) gather one shape with no host-device sync and no
-    agreement between ranks; causal attention keeps every real position exact. None: the callers
-    guarantee equal lengths themselves."""
-
-    def __init__(self, target: TensorParallelTarget, length: int | None = None) -> None:
-        super().__init__()
-        self.target = target
-        self.length = length
-
-    def _padded(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """`input_ids` `[b, S]` right-padded (token 0) to `[b, length]` when shorter (a host-known shape)."""
-        seq = input_ids.shape[1]
-        if self.length is None or seq >= self.length:
-            return input_ids
-        return nn.functional.pad(input_ids, (0, self.length - seq))
-
-    def train(self, mode: bool = True) -> GroupBatchTarget:
-        return super().train(False)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.target.model
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return self.target.layer_ids
-
-    @property
-    def text_config(self) -> Any:
-        return self.target.text_config
-
-    @property
-    def hidden_size(self) -> int:
-        return self.target.hidden_size
-
-    @property
-    def embed_weight(self) -> torch.Tensor:
-        return self.target.embed_weight
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.target.lm_head_weight
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target.vocab_size
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed(ids)
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Features `[b, S, K*H]` of this rank's `input_ids` `[b, S]`."""
-        seq = input_ids.shape[1]
-        return group_features(self.target, self._padded(input_ids))[0][:, :seq]
-
-    @torch.no_grad()
-    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features `[b, S, K*H]` and greedy labels `[b, S]` of this rank's `input_ids` `[b, S]`."""
-        seq = input_ids.shape[1]
-        feats, greedy = group_features(self.target, self._padded(input_ids), greedy=True, chunk=chunk)
-        return feats[:, :seq], greedy[:, :seq]
-
-    features = forward

@@ -107,3 +107,16 @@ def save_tiny_target(path) -> None:
                       intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
+
+
+def write_chats(path, rows: int = 40):
+    """`rows` short two-turn conversations as JSONL (replies of 1-3 sentences); returns `path`."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
+            ]}) + "\n")
+    return path

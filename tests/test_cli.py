@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from conftest import save_tiny_target
+from conftest import save_tiny_target, write_chats
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.corpus import training_data
@@ -26,14 +26,7 @@ def tiny_target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def conversations_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    with path.open("w") as f:
-        for i in range(40):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
-                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
-            ]}) + "\n")
-    return path
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
 
 
 def _args(target, data, out, *extra):

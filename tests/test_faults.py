@@ -43,21 +43,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import save_tiny_target
+from conftest import save_tiny_target, write_chats
 from dflash.cli import main
 
 MAX_STEPS, SAVE_EVERY, LOG_EVERY = 12, 3, 2
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
-
-
-def chat_file(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(40):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
-                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
-            ]}) + "\n")
-    return path
 
 
 def train_args(setup: dict, out: Path, *extra: str) -> list[str]:
@@ -300,7 +290,7 @@ def run_chains(setup: dict, chains: list[tuple], jobs: int = 2) -> list[dict]:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("drills")
     save_tiny_target(root / "target")
-    setup = {"root": root, "target": root / "target", "data": chat_file(root / "chats.jsonl")}
+    setup = {"root": root, "target": root / "target", "data": write_chats(root / "chats.jsonl")}
     reference = root / "reference"
     started = time.monotonic()
     args = train_args(setup, reference, "data.num_workers=0", "keep_last=100", "save_interval=1")  # every step kept

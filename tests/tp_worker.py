@@ -43,7 +43,8 @@ from conftest import make_tiny_target  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.target import FrozenTarget  # noqa: E402
 from dflash.tensor_parallel import TensorParallelTarget, target_parameter_bytes, tp_mesh  # noqa: E402
-from dflash.tp_overlap import SCHEDULES, GroupBatchTarget, gather_group_batch  # noqa: E402
+from dflash.tp_group import GroupBatchTarget  # noqa: E402
+from dflash.tp_overlap import SCHEDULES, gather_group_batch  # noqa: E402
 
 VOCAB = 128
 SEQ = 24
