@@ -326,7 +326,7 @@ def regenerate(
                        min(start + batch_size, len(pending)), len(pending))
     if bar is not None:
         bar.close()
-    logger.info("%s: %d new rows (%d replies in them taken from %s), %d reused, skipped %s, %d batches split "
-                "for memory", path, result.written, result.turns_reused, earlier, result.reused, result.skipped,
-                result.batches_split)
+    taken = f" ({result.turns_reused} replies in them taken from {earlier})" if earlier is not None else ""
+    logger.info("%s: %d new rows%s, %d reused, skipped %s, %d batches split for memory", path, result.written, taken,
+                result.reused, result.skipped, result.batches_split)
     return result
