@@ -23,12 +23,15 @@ from torch.utils.data import Dataset
 from dflash.data import Collator
 from dflash.features import (
     FORMAT_VERSION,
+    HELD_OUT_PART,
     MANIFEST,
     PARTIAL,
+    TRAIN_PART,
     config_hash,
     dtype_name,
     file_sha256,
     head_checksum,
+    part_dir,
     regenerate_command,
 )
 from dflash.tokenization import tokenizer_fingerprint
@@ -86,6 +89,24 @@ def check_manifest(directory: str | os.PathLike[str], *, target_name: str, targe
                         "labels included", "no labels")
     check_shards(folder, manifest, verify_checksums=verify_checksums)
     return manifest
+
+
+def run_feature_parts(root: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """(training part, held-out part or None) of a run's feature folder (`data.features`). The held-out
+    part exists when the run that wrote it held rows out; either part may still be unfinished (refused by
+    `read_manifest` / `check_manifest`)."""
+    held_out = part_dir(root, HELD_OUT_PART)
+    has_held_out = (held_out / MANIFEST).is_file() or (held_out / PARTIAL).is_file()
+    return part_dir(root, TRAIN_PART), held_out if has_held_out else None
+
+
+def check_run_features(root: str | os.PathLike[str], **expected: Any) -> dict[str, Any]:
+    """`check_manifest(part, **expected)` for each part of a run's feature folder; the training part's
+    manifest."""
+    train, held_out = run_feature_parts(root)
+    if held_out is not None:
+        check_manifest(held_out, **expected)
+    return check_manifest(train, **expected)
 
 
 def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums: bool = True) -> None:
@@ -179,6 +200,11 @@ class FeatureCollator:
     def __init__(self, collator: Collator) -> None:
         self.collator = collator
 
+    @property
+    def num_shapes(self) -> int:
+        """The token collator's bound on batch shapes (features add no shape of their own)."""
+        return self.collator.num_shapes
+
     def __call__(self, rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
         batch = self.collator(rows)
         batch_size, seq = batch["input_ids"].shape
@@ -195,3 +221,10 @@ class FeatureCollator:
                 labels[b, :n] = row["labels"][:n]
             batch["labels"] = labels
         return batch
+
+
+def batch_collator(tokenizer: Any, settings: Any, anchor_widths: Sequence[int] | None = None) -> Collator | FeatureCollator:
+    """A run's collator for `settings` (a `DataSettings`): `Collator.for_tokenizer`, wrapped in a
+    `FeatureCollator` when the run trains from offline features (`data.features`)."""
+    collator = Collator.for_tokenizer(tokenizer, settings, anchor_widths)
+    return FeatureCollator(collator) if settings.features else collator

@@ -8,32 +8,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from conftest import save_tiny_target
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.corpus import training_data
 from dflash.factory import build_draft
 from dflash.plan import plan
 from dflash.reporting import read_history
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-target")
-    save_tiny_target(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def conversations_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    with path.open("w") as f:
-        for i in range(40):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
-                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
-            ]}) + "\n")
-    return path
 
 
 def _args(target, data, out, *extra):

@@ -43,21 +43,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import save_tiny_target
+from conftest import chat_file, save_tiny_target
 from dflash.cli import main
 
 MAX_STEPS, SAVE_EVERY, LOG_EVERY = 12, 3, 2
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
-
-
-def chat_file(path: Path) -> Path:
-    with path.open("w") as f:
-        for i in range(40):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
-                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
-            ]}) + "\n")
-    return path
 
 
 def train_args(setup: dict, out: Path, *extra: str) -> list[str]:
