@@ -203,3 +203,11 @@ def test_offline_steps_from_the_real_data_pipeline_are_sync_free(feature_dir, ti
             assert "features" in batch
             trainer.train_step(batch)
     assert report.findings == [], report
+
+
+def test_dry_run_says_the_trunk_is_not_loaded(feature_dir, tiny_target_dir, conversations_file, tmp_path, capsys):
+    args = _settings(tiny_target_dir, conversations_file, tmp_path, f"data.features={feature_dir}")
+    assert main(["train", *args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "embedding and LM head only (data.features: the trunk is not loaded)" in out
+    assert f"none (data.features: the target's features are read from {feature_dir})" in out
