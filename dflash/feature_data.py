@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +132,36 @@ def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums:
                          f"regenerate them: {regenerate_command(folder)}")
 
 
+class FeatureRow(Mapping[str, torch.Tensor]):
+    """One row of a shard, tokens [a, b): `input_ids` LongTensor[L], `loss_mask` BoolTensor[L], `features`
+    Tensor[L, K*H], optional `labels` LongTensor[L], each read from the memory map on first access, so what
+    reads only the tokens (the mask-token check, the data fingerprint) never reads the features."""
+
+    _COLUMNS = {"input_ids": torch.Tensor.long, "loss_mask": torch.Tensor.bool, "features": lambda t: t,
+                "labels": torch.Tensor.long}
+
+    def __init__(self, shard: Any, start: int, end: int, has_labels: bool) -> None:
+        self._shard, self._start, self._end = shard, start, end
+        self._keys = [k for k in self._COLUMNS if k != "labels" or has_labels]
+        self._read: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        if key not in self._read:
+            self._read[key] = self._COLUMNS[key](self._shard.get_slice(key)[self._start : self._end])
+        return self._read[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class FeatureDataset(Dataset):
-    """Rows of a feature folder: `{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L], "features":
-    Tensor[L, K*H], optional "labels": LongTensor[L]}` in row order.
+    """Rows of a feature folder in row order, each a `FeatureRow` (`input_ids`, `loss_mask`, `features`,
+    optional `labels`, read on access).
 
     Shards are memory-mapped (`safetensors.safe_open`) on first use in each process, so a DataLoader's
     workers each open their own; a row reads only its own slice. The manifest is read (and its shards'
@@ -168,7 +195,7 @@ class FeatureDataset(Dataset):
             self._offsets[k] = self._handles[k].get_tensor("offsets").tolist()
         return self._handles[k]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> FeatureRow:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range for {len(self)} feature rows")
         k = bisect.bisect_right(self.starts, index) - 1
@@ -176,15 +203,7 @@ class FeatureDataset(Dataset):
         offsets = self._offsets[k]
         assert offsets is not None
         i = index - self.starts[k]
-        a, b = offsets[i], offsets[i + 1]
-        row = {
-            "input_ids": shard.get_slice("input_ids")[a:b].long(),
-            "loss_mask": shard.get_slice("loss_mask")[a:b].bool(),
-            "features": shard.get_slice("features")[a:b],
-        }
-        if self.has_labels:
-            row["labels"] = shard.get_slice("labels")[a:b].long()
-        return row
+        return FeatureRow(shard, offsets[i], offsets[i + 1], self.has_labels)
 
     def __getstate__(self) -> dict[str, Any]:  # picklable for spawned workers: maps are reopened there
         state = dict(self.__dict__)

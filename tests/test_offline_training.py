@@ -21,6 +21,7 @@ from dflash.diagnostics import forbid_syncs
 from dflash.embedded import embedded_target_dir
 from dflash.feature_data import FeatureDataset
 from dflash.features import HELD_OUT_PART, MANIFEST, TRAIN_PART, write_features
+from dflash.hf_module import DFlashTrainingModule
 from dflash.offline_target import OfflineTarget
 from dflash.target import FrozenTarget
 from dflash.trainer import DFlashTrainer
@@ -211,3 +212,8 @@ def test_dry_run_says_the_trunk_is_not_loaded(feature_dir, tiny_target_dir, conv
     out = capsys.readouterr().out
     assert "embedding and LM head only (data.features: the trunk is not loaded)" in out
     assert f"none (data.features: the target's features are read from {feature_dir})" in out
+
+
+def test_the_transformers_trainer_path_refuses_features(tmp_path):
+    with pytest.raises(ValueError, match="not by the transformers.Trainer path: set data.features=null"):
+        DFlashTrainingModule.from_config(tiny_config(data__features=str(tmp_path)), make_tiny_target(), None)
