@@ -2,9 +2,10 @@
 
 `check_manifest` refuses a feature folder made for another target, other layer ids, another tokenizer,
 dtype or max length, or with a missing, truncated or corrupted shard, naming what differs and the command
-that regenerates it. `FeatureDataset` serves its rows (memory-mapped safetensors shards) as a torch
-Dataset, and `FeatureCollator` pads them exactly as `dflash.data.Collator` pads token rows, with the
-features padded alongside (zeros), as CPU tensors ready for pinning.
+that regenerates it. `FeatureDataset` serves its rows (memory-mapped safetensors shards, each column read
+on access: `FeatureRow`) as a torch Dataset, and `FeatureCollator` pads them exactly as
+`dflash.data.Collator` pads token rows, with the features padded alongside (zeros), as CPU tensors ready
+for pinning. `batch_collator` is a run's collator of either kind.
 """
 
 from __future__ import annotations

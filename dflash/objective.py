@@ -2,7 +2,8 @@
 
 `DFlashObjective` is the piece every entry point shares: `DFlashTrainer.train_step`, the
 `transformers.Trainer` module (`dflash.hf`) and evaluation. It owns the frozen target, the draft,
-how blocks are built and how their loss is computed; the trainer owns the loop and the optimizer.
+how blocks are built and how their loss is computed; the trainer owns the loop and the optimizer. The
+target's features come from its forward or, under `data.features`, with the batch (`target_outputs`).
 """
 
 from __future__ import annotations
