@@ -1,4 +1,4 @@
-"""Command line: `dflash train [CONFIG.yaml] [key=value ...] [--dry-run]` and friends.
+"""Command line: `dflash train [CONFIG.yaml] [key=value ...] [--dry-run]` and friends (`dflash features`, ...).
 
 The CLI only parses arguments and calls the library; every behaviour lives in a module. A condition the
 program can name ends in one line on stderr and an exit code (README, "Exit codes"; `dflash.stopping`):
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -78,6 +79,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _features(args: argparse.Namespace) -> int:
+    from dflash.factory import write_run_features
+    from dflash.preflight import check_dependencies
+
+    config = TrainConfig.from_sources(args.config, args.overrides)
+    check_dependencies(config)  # before the target loads
+    start = time.perf_counter()
+    parts = write_run_features(config)
+    print(f"features: {', '.join(str(path) for path in parts.values())} ({time.perf_counter() - start:.1f} s); train "
+          f"from them with: dflash train [CONFIG] data.features={config.data.features}")
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     try:
         from dflash.plot import plot_run
@@ -111,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("config", nargs="?", help="YAML config file (optional; same keys as train)")
     gen.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=my.jsonl data.limit=1000")
     gen.set_defaults(func=_generate)
+
+    feats = sub.add_parser("features", help="write the target's features of the training (and held-out) rows to "
+                           "data.features once; `dflash train data.features=DIR` then trains without the target")
+    feats.add_argument("config", nargs="?", help="YAML config file (optional; same keys as train)")
+    feats.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.features=features/ data.max_length=512")
+    feats.set_defaults(func=_features)
 
     ev = sub.add_parser("eval", help="real speculative decoding: tau, per-position acceptance, speed-up (lossless)")
     ev.add_argument("--draft", required=True, help="exported draft folder (config.json + model.safetensors)")

@@ -98,6 +98,9 @@ class DataSettings:
     labels: str = "data"  # data: learn the tokens; target: learn the target's greedy next token
     num_workers: int = 2
     cache_dir: str | None = None  # default: $DFLASH_CACHE or ~/.cache/dflash
+    # Offline target features (written by `dflash features`): train from this folder instead of running the
+    # target (its trunk is never loaded). null: the target runs in every step.
+    features: str | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dflash.config import DataSettings
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
+from dflash.feature_data import FeatureDataset, run_feature_parts
 from dflash.regenerate import prompt_id, prompt_turns, regenerate
 from dflash.runtime import load_target, resolve_device, resolve_dtype
 from dflash.sources import load_conversations
@@ -215,11 +216,29 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     return Corpus(datasets["train"], datasets.get("eval"), description, held)
 
 
+def feature_corpus(root: str) -> Corpus:
+    """The corpus of a run's offline feature folder (`dflash features`): its training part and, when the run
+    held rows out, its held-out part, both `FeatureDataset`s. No held-out conversations: speculative
+    decoding needs the target's trunk, which a run from features never loads."""
+    train_dir, held_out_dir = run_feature_parts(root)
+    train = FeatureDataset(train_dir)
+    held_out = FeatureDataset(held_out_dir) if held_out_dir is not None else None
+    description = {"features": str(root), "train_rows": len(train), "eval_rows": len(held_out) if held_out else 0}
+    log.info("corpus: %s", description)
+    return Corpus(train, held_out, description, [])
+
+
 def training_data(dataset: Any, settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str, *,
                   rank: int = 0, world_size: int = 1) -> Corpus:
     """What a run trains and evaluates on: the configured recipe (`prepare_corpus`) when `dataset` is
     None; else the user's data: a (train, held-out) pair of tokenized datasets, tokenized rows
-    (`input_ids` / `loss_mask`), or conversations to tokenize (no held-out split then)."""
+    (`input_ids` / `loss_mask`), or conversations to tokenize (no held-out split then). With `data.features`
+    the rows of that feature folder (`feature_corpus`)."""
+    if settings.features:
+        if dataset is not None:
+            raise ValueError("data.features trains on the rows of its feature folder: pass no dataset, or set "
+                             "data.features=null to train on this one")
+        return feature_corpus(settings.features)
     if dataset is None:
         if world_size > 1 and rank != 0:
             dist.barrier()  # rank 0 regenerates and tokenizes first; the others then read its caches

@@ -241,10 +241,11 @@ class DominoObjective(DFlashObjective):
                               self.ce_chunk_size).view(prev.shape[:3])
         return torch.cat([tokens[..., :1], torch.where(sampled[..., 1:], guess, tokens[..., 1:])], dim=-1)
 
-    def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                targets: BlockTargets) -> BlockOutput:
+    def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, targets: BlockTargets,
+                features: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> BlockOutput:
+        """`DFlashObjective.forward` with the Domino head; `features` / `labels` as there (offline)."""
         draft: DominoDraftModel = self.draft
-        hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets)
+        hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets, features, labels)
         proposals = draft.proposal_states(hidden)  # [B, N, P, H]
         bsz, n, num, h = proposals.shape
         s = draft.suffix_start

@@ -1,5 +1,7 @@
 """One place that turns a `TrainConfig` into a draft and its objective, for DFlash and Domino drafts, and
-the target they train against (replicated, or sharded over a tensor-parallel group: `prepare_target`).
+the target they train against (replicated, sharded over a tensor-parallel group: `prepare_target`, or
+under `data.features` only its embedding and head: `offline_target`; `write_run_features` writes those
+features, `dflash features`).
 
 It sits above `objective.py` and `domino.py` so neither has to know the other: the trainer, the
 `transformers.Trainer` module, the dry run (on the meta device) and checkpoint / export loading all
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,11 +20,15 @@ from torch import nn
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
+from dflash.corpus import prepare_corpus
 from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, is_domino
 from dflash.embedded import EMBEDDED_MASK_TOKEN
+from dflash.feature_data import check_run_features
+from dflash.features import HELD_OUT_PART, TRAIN_PART, dtype_name, estimate_bytes, part_dir, write_features
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import DFlashObjective
-from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
+from dflash.offline_target import OfflineTarget
+from dflash.runtime import load_target, load_target_config, load_tokenizer, resolve_device, resolve_dtype, target_location
 from dflash.target import FrozenTarget, resolve_mask_token_id
 from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
 from dflash.tp_group import GroupBatchTarget
@@ -63,10 +70,44 @@ def _hf_model(target_model: Any) -> Any:
 
 def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlashDraftModel:
     """A freshly initialised draft (DFlash or Domino, by `draft.kind`) shaped for `target_model` (an HF
-    causal LM or a `TensorParallelTarget`: its embedding is whole on every rank)."""
-    model = _hf_model(target_model)
-    vocab_rows = model.get_input_embeddings().weight.shape[0]
-    return draft_model_for_config(draft_config_for(config, model.config, tokenizer, vocab_rows))
+    causal LM, a `TensorParallelTarget`: its embedding is whole on every rank, or an `OfflineTarget`)."""
+    if isinstance(target_model, OfflineTarget):
+        hf_config, vocab_rows = target_model.text_config, target_model.vocab_size
+    else:
+        model = _hf_model(target_model)
+        hf_config, vocab_rows = model.config, model.get_input_embeddings().weight.shape[0]
+    return draft_model_for_config(draft_config_for(config, hf_config, tokenizer, vocab_rows))
+
+
+def _layer_ids(config: TrainConfig, hf_config: Any, tokenizer: Any, vocab_rows: int) -> list[int]:
+    """The target layers the configured draft reads, from its config alone (no weights, no RNG drawn)."""
+    return draft_config_for(config, hf_config, tokenizer, vocab_rows).target_layer_ids
+
+
+def offline_target(config: TrainConfig, target: Any, tokenizer: Any, *, dtype: torch.dtype) -> tuple[OfflineTarget, Any]:
+    """`data.features`: (the target as a run from offline features sees it, tokenizer). Only its embedding
+    and LM head (`OfflineTarget`: from the model passed in, else read from the checkpoint; the trunk is
+    never loaded), after refusing features that another target, layer ids, tokenizer, dtype, max length or
+    label setting made (`check_run_features`) and what a run without the trunk cannot do."""
+    if config.tensor_parallel.size > 1:
+        raise ValueError("data.features runs no target trunk, so there is nothing to shard: set tensor_parallel.size=1")
+    if config.spec_eval_prompts or config.spec_eval_interval_prompts:
+        raise ValueError("data.features trains without the target's trunk, so the run cannot decode speculatively: "
+                         "set spec_eval_prompts=0 and spec_eval_interval_prompts=0, and evaluate the export with "
+                         "`dflash eval --draft RUN/export`")
+    tokenizer = tokenizer or load_tokenizer(config.target)
+    if target is not None:
+        rows = target.get_input_embeddings().weight.shape[0]
+        offline = OfflineTarget.from_model(target, _layer_ids(config, target.config, tokenizer, rows))
+    else:
+        hf_config = load_target_config(config.target)
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        offline = OfflineTarget.from_pretrained(config.target, _layer_ids(config, hf_config, tokenizer, text.vocab_size),
+                                                dtype)
+    check_run_features(config.data.features, target_name=config.target, target_config=offline.text_config,
+                       layer_ids=offline.layer_ids, dtype=dtype, tokenizer=tokenizer, max_length=config.data.max_length,
+                       labels=config.data.labels == "target", target=offline)
+    return offline, tokenizer
 
 
 def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: torch.device,
@@ -77,7 +118,9 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
     `TensorParallelTarget` over this rank's group of a (dp x tp) mesh: from a checkpoint (`config.target`:
     a folder, a hub id or "embedded") each rank builds the model on the meta device and reads only its
     shards; a model passed in is sharded in place. Heads and KV heads are checked against the size
-    (`check_tp_support`) before any weight is read."""
+    (`check_tp_support`) before any weight is read. With `data.features` the `offline_target`."""
+    if config.data.features:
+        return offline_target(config, target, tokenizer, dtype=dtype)
     size = config.tensor_parallel.size
     if size == 1 or isinstance(target, TensorParallelTarget):
         if target is None:
@@ -92,12 +135,11 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
         log.warning("tensor_parallel.size=%d: HF generate() cannot run a sharded target, so data.regenerate reads the "
                     "target's replies from the cache only (a prompt not answered there stops the run)", size)
     schedule = schedule_for(config.tensor_parallel.overlap)
-    if target is not None:  # the draft's layer ids from its config alone (no weights, no RNG drawn)
-        rows = target.get_input_embeddings().weight.shape[0]
-        layer_ids = draft_config_for(config, hf_config, tokenizer, rows).target_layer_ids
+    if target is not None:
+        layer_ids = _layer_ids(config, hf_config, tokenizer, target.get_input_embeddings().weight.shape[0])
         return TensorParallelTarget(target, layer_ids, mesh, schedule=schedule), tokenizer
     tokenizer = tokenizer or load_tokenizer(config.target)
-    layer_ids = draft_config_for(config, hf_config, tokenizer, text.vocab_size).target_layer_ids
+    layer_ids = _layer_ids(config, hf_config, tokenizer, text.vocab_size)
     return TensorParallelTarget.from_pretrained(target_location(config.target), layer_ids, mesh, dtype=dtype,
                                                 device=device, schedule=schedule), tokenizer
 
@@ -106,6 +148,11 @@ def _frozen_target(config: TrainConfig, target_model: Any, layer_ids: list[int])
     """`FrozenTarget` of an HF model, or for a `TensorParallelTarget` the group-batch view of it: every
     rank's micro-batch is padded to `data.max_length` so that the TP group gathers one shape (sync-free;
     the draft keeps each rank's own length)."""
+    if isinstance(target_model, OfflineTarget):  # data.features: the layers its files hold
+        if target_model.layer_ids != list(layer_ids):
+            raise ValueError(f"the draft reads target layers {list(layer_ids)}, the offline target (data.features) "
+                             f"holds {target_model.layer_ids}: pass a draft of those layers, or regenerate the features")
+        return target_model
     if isinstance(target_model, TensorParallelTarget):
         tp = target_model
         if tp.layer_ids != list(layer_ids):  # a draft passed in (warm start) reads its own layers
@@ -137,3 +184,39 @@ def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, d
         return DominoObjective(target, draft, lambda_start=d.lambda_start, decay_ratio=d.decay_ratio,
                                scheduled_sampling=d.scheduled_sampling, **common)
     return DFlashObjective(target, draft, **common)
+
+
+def write_run_features(config: TrainConfig, *, target: Any = None, tokenizer: Any = None) -> dict[str, Path]:
+    """`dflash features`: the target's features of a run's rows, written once to `data.features`; the part
+    folders written ({"train": DIR/train, "held_out": DIR/held_out}, `dflash.features`).
+
+    The rows are the run's own: the corpus prepared as `dflash train` prepares it (regeneration, tokenization,
+    held-out split; `corpus.prepare_corpus`), the features those of the draft's `target_layer_ids` in the run's
+    compute dtype, with the target's greedy labels under `data.labels: target`. The size is logged before any
+    row is computed; an interrupted run resumes and a finished one is left as it is (`write_features`)."""
+    root = config.data.features
+    if not root:
+        raise ValueError("dflash features writes to the folder data.features names: set data.features=DIR (then "
+                         "`dflash train data.features=DIR` trains from it)")
+    config.validate()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if target is None:
+        target, loaded = load_target(config.target, dtype)
+        tokenizer = tokenizer or loaded
+    tokenizer = tokenizer or load_tokenizer(config.target)
+    target.to(device)
+    layer_ids = _layer_ids(config, target.config, tokenizer, target.get_input_embeddings().weight.shape[0])
+    corpus = prepare_corpus(config.data, tokenizer, target, config.target)
+    parts = {TRAIN_PART: corpus.train, HELD_OUT_PART: corpus.eval}
+    frozen = FrozenTarget(target, layer_ids).to(device, dtype)
+    labels = config.data.labels == "target"
+    tokens = {part: sum(min(len(ids), config.data.max_length) for ids in rows["input_ids"])
+              for part, rows in parts.items() if rows is not None}
+    total = estimate_bytes(sum(tokens.values()), frozen.hidden_size * len(layer_ids), dtype, labels)
+    log.info("features of layers %s (%s) to %s: %s tokens, about %.2f GiB", layer_ids, dtype_name(dtype), root,
+             " + ".join(f"{n} {part}" for part, n in tokens.items()), total / 2**30)
+    return {part: write_features(frozen, config.target, rows, part_dir(root, part), tokenizer=tokenizer, dtype=dtype,
+                                 max_length=config.data.max_length, labels=labels, batch_size=config.batch_size,
+                                 progress=config.progress_bar)
+            for part, rows in parts.items() if rows is not None}

@@ -2,9 +2,10 @@
 
 `check_manifest` refuses a feature folder made for another target, other layer ids, another tokenizer,
 dtype or max length, or with a missing, truncated or corrupted shard, naming what differs and the command
-that regenerates it. `FeatureDataset` serves its rows (memory-mapped safetensors shards) as a torch
-Dataset, and `FeatureCollator` pads them exactly as `dflash.data.Collator` pads token rows, with the
-features padded alongside (zeros), as CPU tensors ready for pinning.
+that regenerates it. `FeatureDataset` serves its rows (memory-mapped safetensors shards, each column read
+on access: `FeatureRow`) as a torch Dataset, and `FeatureCollator` pads them exactly as
+`dflash.data.Collator` pads token rows, with the features padded alongside (zeros), as CPU tensors ready
+for pinning. `batch_collator` is a run's collator of either kind.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,15 @@ from torch.utils.data import Dataset
 from dflash.data import Collator
 from dflash.features import (
     FORMAT_VERSION,
+    HELD_OUT_PART,
     MANIFEST,
     PARTIAL,
+    TRAIN_PART,
     config_hash,
     dtype_name,
     file_sha256,
     head_checksum,
+    part_dir,
     regenerate_command,
 )
 from dflash.tokenization import tokenizer_fingerprint
@@ -88,6 +92,24 @@ def check_manifest(directory: str | os.PathLike[str], *, target_name: str, targe
     return manifest
 
 
+def run_feature_parts(root: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """(training part, held-out part or None) of a run's feature folder (`data.features`). The held-out
+    part exists when the run that wrote it held rows out; either part may still be unfinished (refused by
+    `read_manifest` / `check_manifest`)."""
+    held_out = part_dir(root, HELD_OUT_PART)
+    has_held_out = (held_out / MANIFEST).is_file() or (held_out / PARTIAL).is_file()
+    return part_dir(root, TRAIN_PART), held_out if has_held_out else None
+
+
+def check_run_features(root: str | os.PathLike[str], **expected: Any) -> dict[str, Any]:
+    """`check_manifest(part, **expected)` for each part of a run's feature folder; the training part's
+    manifest."""
+    train, held_out = run_feature_parts(root)
+    if held_out is not None:
+        check_manifest(held_out, **expected)
+    return check_manifest(train, **expected)
+
+
 def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums: bool = True) -> None:
     """Refuse a missing, truncated (size) or, with `verify_checksums`, corrupted shard, or rows not covered."""
     covered = 0
@@ -111,9 +133,36 @@ def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums:
                          f"regenerate them: {regenerate_command(folder)}")
 
 
+class FeatureRow(Mapping[str, torch.Tensor]):
+    """One row of a shard, tokens [a, b): `input_ids` LongTensor[L], `loss_mask` BoolTensor[L], `features`
+    Tensor[L, K*H], optional `labels` LongTensor[L], each read from the memory map on first access, so what
+    reads only the tokens (the mask-token check, the data fingerprint) never reads the features."""
+
+    _COLUMNS = {"input_ids": torch.Tensor.long, "loss_mask": torch.Tensor.bool, "features": lambda t: t,
+                "labels": torch.Tensor.long}
+
+    def __init__(self, shard: Any, start: int, end: int, has_labels: bool) -> None:
+        self._shard, self._start, self._end = shard, start, end
+        self._keys = [k for k in self._COLUMNS if k != "labels" or has_labels]
+        self._read: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        if key not in self._read:
+            self._read[key] = self._COLUMNS[key](self._shard.get_slice(key)[self._start : self._end])
+        return self._read[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class FeatureDataset(Dataset):
-    """Rows of a feature folder: `{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L], "features":
-    Tensor[L, K*H], optional "labels": LongTensor[L]}` in row order.
+    """Rows of a feature folder in row order, each a `FeatureRow` (`input_ids`, `loss_mask`, `features`,
+    optional `labels`, read on access).
 
     Shards are memory-mapped (`safetensors.safe_open`) on first use in each process, so a DataLoader's
     workers each open their own; a row reads only its own slice. The manifest is read (and its shards'
@@ -147,7 +196,7 @@ class FeatureDataset(Dataset):
             self._offsets[k] = self._handles[k].get_tensor("offsets").tolist()
         return self._handles[k]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> FeatureRow:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range for {len(self)} feature rows")
         k = bisect.bisect_right(self.starts, index) - 1
@@ -155,15 +204,7 @@ class FeatureDataset(Dataset):
         offsets = self._offsets[k]
         assert offsets is not None
         i = index - self.starts[k]
-        a, b = offsets[i], offsets[i + 1]
-        row = {
-            "input_ids": shard.get_slice("input_ids")[a:b].long(),
-            "loss_mask": shard.get_slice("loss_mask")[a:b].bool(),
-            "features": shard.get_slice("features")[a:b],
-        }
-        if self.has_labels:
-            row["labels"] = shard.get_slice("labels")[a:b].long()
-        return row
+        return FeatureRow(shard, offsets[i], offsets[i + 1], self.has_labels)
 
     def __getstate__(self) -> dict[str, Any]:  # picklable for spawned workers: maps are reopened there
         state = dict(self.__dict__)
@@ -178,6 +219,11 @@ class FeatureCollator:
 
     def __init__(self, collator: Collator) -> None:
         self.collator = collator
+
+    @property
+    def num_shapes(self) -> int:
+        """The token collator's bound on batch shapes (features add no shape of their own)."""
+        return self.collator.num_shapes
 
     def __call__(self, rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
         batch = self.collator(rows)
@@ -195,3 +241,10 @@ class FeatureCollator:
                 labels[b, :n] = row["labels"][:n]
             batch["labels"] = labels
         return batch
+
+
+def batch_collator(tokenizer: Any, settings: Any, anchor_widths: Sequence[int] | None = None) -> Collator | FeatureCollator:
+    """A run's collator for `settings` (a `DataSettings`): `Collator.for_tokenizer`, wrapped in a
+    `FeatureCollator` when the run trains from offline features (`data.features`)."""
+    collator = Collator.for_tokenizer(tokenizer, settings, anchor_widths)
+    return FeatureCollator(collator) if settings.features else collator

@@ -11,6 +11,9 @@ Layout of a folder::
     manifest.partial.json         # while writing: the header and the shards finished so far
     shard-00000.safetensors       # rows [0, shard_rows): concatenated along the token axis
 
+A run's folder (`data.features`, written by `dflash features`) holds two such folders: `train/` (the
+training rows) and `held_out/` (the held-out rows, absent when `data.eval_size` is 0).
+
 A shard holds `features [T, K*H]` (the chosen dtype), `input_ids [T]` int32, `loss_mask [T]` uint8,
 optionally `labels [T]` int32 (T = the tokens of its rows, unpadded), `offsets [n + 1]` int64 (row i
 is tokens offsets[i]:offsets[i+1]) and `row_ids [n]` int64 (rows in row order). Safetensors was chosen
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
+# `dflash features` writes the training rows and the held-out rows of a run to these sub-folders of `data.features`.
+TRAIN_PART, HELD_OUT_PART = "train", "held_out"
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config entries that say how a checkpoint was saved or loaded, not what the model computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
@@ -132,9 +137,17 @@ def rows_digest(rows: Any, chunk: int = 1024) -> tuple[str, list[int]]:
     return h.hexdigest(), lengths
 
 
+def part_dir(root: str | os.PathLike[str], part: str) -> Path:
+    """The folder of one part (`TRAIN_PART` or `HELD_OUT_PART`) of a run's feature folder `root`."""
+    return Path(root) / part
+
+
 def regenerate_command(out_dir: str | os.PathLike[str]) -> str:
-    """The command that (re)writes a feature folder (the CLI's `dflash features`)."""
-    return f"dflash features CONFIG data.features={out_dir}"
+    """The command that (re)writes a feature folder (the CLI's `dflash features`); a part folder
+    (`train`, `held_out`) names the run's folder above it, the value of `data.features`."""
+    path = Path(out_dir)
+    root = path.parent if path.name in (TRAIN_PART, HELD_OUT_PART) else path
+    return f"dflash features CONFIG data.features={root}"
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:

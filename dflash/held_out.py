@@ -29,7 +29,8 @@ _UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 def held_out_metrics(objective: DFlashObjective, dataset: Any, collator: Collator, *, batch_size: int,
                      device: torch.device, max_new_tokens: int, max_batches: int | None = None) -> dict[str, Any]:
     """loss, accuracy, tau, per-position accuracy and `chain_tau` (capped at `max_new_tokens` per reply)
-    over `dataset` rows (`input_ids`, `loss_mask`). SYNC POINT: the chain reads accepted lengths."""
+    over `dataset` rows (`input_ids`, `loss_mask`; offline `features` / `labels` go to the objective). SYNC
+    POINT: the chain reads accepted lengths."""
     loader = make_dataloader(dataset, batch_size, collator, shuffle=False, num_workers=0, drop_last=False)
     # Every valid anchor makes each held-out batch its own width: one more compiled shape per batch, on top
     # of the training shapes the same process compiles.
@@ -45,7 +46,8 @@ def held_out_metrics(objective: DFlashObjective, dataset: Any, collator: Collato
         mask = batch["loss_mask"].to(device)
         width = max(1, max_valid_anchors(batch["loss_mask"]))  # every valid anchor (host copy of the mask)
         anchors, keep, targets = objective.plan(ids, mask, None, num_anchors=width)
-        out = objective(ids, anchors, keep, targets)
+        offline = [batch[k].to(device) if k in batch else None for k in ("features", "labels")]  # data.features
+        out = objective(ids, anchors, keep, targets, *offline)
         objective.accumulate(metrics, out, keep, targets)
         accepted = accepted_prefix_length(out.correct, targets.valid[..., 1:])
         per_position = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)

@@ -103,6 +103,10 @@ class DFlashTrainingModule(nn.Module):
         """
         dev = torch.device(device) if device is not None else resolve_device(config.device)
         config.validate()
+        if config.data.features:  # the Trainer's own DataLoader and module inputs carry no feature tensors
+            raise ValueError("data.features (offline target features) is supported by `dflash train` / DFlashTrainer, "
+                             "not by the transformers.Trainer path: set data.features=null here, or train with "
+                             "`dflash train data.features=...`")
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
         module = cls(objective, seed=config.seed)

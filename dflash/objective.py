@@ -2,7 +2,8 @@
 
 `DFlashObjective` is the piece every entry point shares: `DFlashTrainer.train_step`, the
 `transformers.Trainer` module (`dflash.hf`) and evaluation. It owns the frozen target, the draft,
-how blocks are built and how their loss is computed; the trainer owns the loop and the optimizer.
+how blocks are built and how their loss is computed; the trainer owns the loop and the optimizer. The
+target's features come from its forward or, under `data.features`, with the batch (`target_outputs`).
 """
 
 from __future__ import annotations
@@ -105,25 +106,42 @@ class DFlashObjective(nn.Module):
         ids = torch.where(slots == 0, first, self.draft.config.mask_token_id)
         return ids.flatten(1), (anchors.unsqueeze(-1) + slots).flatten(1)
 
-    def draft_hidden(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                     targets: BlockTargets) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft states `[B, N, bs, H]` of every block and the labels `[B, N, bs]` they are scored on."""
+    def target_outputs(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
+                       labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's features `[B, S, K*H]` (no grad) and, under `labels: target`, its greedy next tokens
+        `[B, S]` (else None): the batch's own when it brings them (offline features, `dflash.feature_data`:
+        `features`, and `labels` written by the same target), else computed by running the frozen target."""
+        if features is None:
+            if self.labels == "target":
+                return self.target.features_and_greedy(input_ids)
+            return self.target(input_ids), None
+        if self.labels != "target":
+            return features, None
+        if labels is None:  # a host-side check on the batch's keys: no device read
+            raise ValueError("data.labels: target with offline features needs the target's greedy labels in the "
+                             "batch: write the features with data.labels=target (dflash features)")
+        return features, labels
+
+    def draft_hidden(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, targets: BlockTargets,
+                     features: torch.Tensor | None = None,
+                     labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft states `[B, N, bs, H]` of every block and the labels `[B, N, bs]` they are scored on;
+        `features` / `labels`: offline target outputs (`target_outputs`)."""
         bsz, seq_len = input_ids.shape
-        labels = targets.labels
         with torch.autocast(input_ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            if self.labels == "target":  # learn the target's greedy next token at each position
-                features, greedy = self.target.features_and_greedy(input_ids)
-                labels = block_labels(greedy, anchors, targets.valid)
-            else:
-                features = self.target(input_ids)  # [B, S, K*H], no grad
+            features, greedy = self.target_outputs(input_ids, features, labels)
+            # Under labels: target the draft learns the target's greedy next token at each position.
+            block = targets.labels if greedy is None else block_labels(greedy, anchors, targets.valid)
             block_ids, positions = self.block_inputs(input_ids, anchors)
             hidden = self._draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
                                       target_hidden=features)  # [B, N*bs, H]
-        return hidden.view(bsz, anchors.shape[1], self.block_size, -1), labels
+        return hidden.view(bsz, anchors.shape[1], self.block_size, -1), block
 
-    def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                targets: BlockTargets) -> BlockOutput:
-        hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets)
+    def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, targets: BlockTargets,
+                features: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> BlockOutput:
+        """One micro-batch's `BlockOutput`; `features` `[B, S, K*H]` / `labels` `[B, S]`: the target's
+        outputs from offline feature files instead of running it (`target_outputs`)."""
+        hidden, labels = self.draft_hidden(input_ids, anchors, keep, targets, features, labels)
         # Slot 0 is never scored: drop it before the LM head (1/bs of the head's FLOPs).
         scored = hidden[:, :, 1:]
         dpace = self.position_weights == "dpace"

@@ -28,6 +28,9 @@ _SINGLE = "model.safetensors"
 class OfflineTarget(nn.Module):
     """A frozen target without its trunk: embedding `[V, H]` and LM head `[V, H]` (the same tensor when tied)."""
 
+    # No HF model: what needs one (regeneration, speculative decoding) cannot run on this target.
+    model = None
+
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, text_config: Any,
                  layer_ids: list[int]) -> None:
         super().__init__()
@@ -81,6 +84,15 @@ class OfflineTarget(nn.Module):
     def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("OfflineTarget has no trunk: the target's greedy labels come from the feature files "
                            "(written with labels=True, batch['labels'])")
+
+    @classmethod
+    def from_model(cls, model: Any, layer_ids: list[int]) -> OfflineTarget:
+        """The embedding and LM head of an HF causal LM already in memory (notebooks, tests); the trunk is
+        not used (nor kept: only the two weight tensors are referenced)."""
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return cls(embed, embed if head is None else head.weight, config, layer_ids)
 
     @classmethod
     def from_pretrained(cls, model_path_or_id: str, layer_ids: list[int], dtype: torch.dtype) -> OfflineTarget:

@@ -81,7 +81,9 @@ def phases(config: TrainConfig) -> dict[str, Any]:
     conversations, available = _conversations(d)
     train, held = split_held_out(conversations, d.eval_size)
     prompts = _training_rows(train, held, d) if d.regenerate else train
-    if d.regenerate:
+    if d.features:  # the rows are those the features were written from (`dflash features` regenerated them)
+        out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
+    elif d.regenerate:
         root = Path(d.cache_dir) if d.cache_dir else cache_root()
         cached = [_cached(r, _regenerated_file(d, root, config.target, part), turns)
                   for r, part, turns in ((prompts, "train", d.regenerate_turns), (held, "eval", 1))]
@@ -144,7 +146,8 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "dtype": str(dtype).replace("torch.", ""),
         "mesh": mesh(tp),
         "tensor_parallel_overlap": config.tensor_parallel.overlap if tp > 1 else "n/a (tensor_parallel.size 1)",
-        "target_memory_per_rank": target_memory(target_cfg, tp, dtype),
+        "target_memory_per_rank": target_memory(target_cfg, tp, dtype) if not config.data.features else
+        "embedding and LM head only (data.features: the trunk is not loaded)",
         "attention": resolve_attention(ds.attention, device),
         "data": config.data.source,
         "regenerate": config.data.regenerate,

@@ -1,7 +1,8 @@
 """The training loop. One step, top to bottom, in `train_step`; nothing in it waits on the GPU.
 
     anchors + labels for every micro-batch      (device ops; global denominator known up front)
-    per micro-batch: target features (no grad) -> block embeddings -> draft -> chunked CE -> backward
+    per micro-batch: target features (no grad; data.features: the batch's) -> block embeddings -> draft -> chunked CE
+      -> backward
     global grad norm -> fused AdamW (clipping as its grad_scale, tensor lr) -> on-device schedule -> metric sums
 
 The only host reads happen in `Metrics.flush()` at a log interval, at checkpoints and evaluation.
@@ -32,6 +33,7 @@ from dflash.data import Collator, DataPosition, device_batches
 from dflash.evaluate import held_out_speculative_eval
 from dflash.export import export_draft, load_exported
 from dflash.factory import build_objective, prepare_target
+from dflash.feature_data import FeatureCollator, batch_collator
 from dflash.graphs import Capture, StepGraphs, cuda_graph_capture, warm_up_and_restore
 from dflash.held_out import held_out_metrics, output_rows
 from dflash.losses import window_loss_scale
@@ -148,9 +150,11 @@ class DFlashTrainer:
         n = self.config.optim.grad_accum
         if batch["input_ids"].shape[0] % n:
             raise ValueError(f"batch of {batch['input_ids'].shape[0]} rows does not split into grad_accum={n}")
-        ids, mask = batch["input_ids"].chunk(n), batch["loss_mask"].chunk(n)
-        width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}  # the collator's, host int
-        return [{"input_ids": i, "loss_mask": m, **width} for i, m in zip(ids, mask, strict=True)]
+        # Every row tensor (ids, mask; offline features and labels) split by rows; the collator's anchor width
+        # (a host int) goes to each micro-batch.
+        parts = {k: v.chunk(n) for k, v in batch.items() if torch.is_tensor(v)}
+        width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}
+        return [{**{k: v[i] for k, v in parts.items()}, **width} for i in range(n)]
 
     def train_step(self, batch: Batch | list[Batch]) -> None:
         """One optimizer step over `grad_accum` micro-batches. Makes no host-device sync.
@@ -182,7 +186,7 @@ class DFlashTrainer:
         m = self.metrics
         for i, (mb, (anchors, keep, targets)) in enumerate(zip(micro, plans, strict=True)):
             with self.parallel.gradient_sync(last=i == len(micro) - 1):
-                out = self.objective(mb["input_ids"], anchors, keep, targets)
+                out = self.objective(mb["input_ids"], anchors, keep, targets, mb.get("features"), mb.get("labels"))
                 (out.loss_sum * scale).backward()
             self.objective.accumulate(m, out, keep, targets)
 
@@ -308,11 +312,11 @@ class DFlashTrainer:
 
     # ---- the run ----------------------------------------------------------------------------
 
-    def _collator(self) -> Collator:
-        """Bucketed right padding for `config.data`; compiled functions may keep a graph for each of
-        its padded lengths (`allow_compiled_shapes`)."""
+    def _collator(self) -> Collator | FeatureCollator:
+        """Bucketed right padding for `config.data` (with the features under `data.features`); compiled
+        functions may keep a graph for each of its padded lengths (`allow_compiled_shapes`)."""
         widths = anchor_widths(self.config.draft.num_anchors, self.config.draft.anchor_widths)
-        collator = Collator.for_tokenizer(self.tokenizer, self.config.data, widths)
+        collator = batch_collator(self.tokenizer, self.config.data, widths)
         allow_compiled_shapes(collator.num_shapes)
         return collator
 

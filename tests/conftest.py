@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -109,14 +111,24 @@ def save_tiny_target(path) -> None:
     tok.save_pretrained(path)
 
 
-def write_chats(path, rows: int = 40):
-    """`rows` short two-turn conversations as JSONL (replies of 1-3 sentences); returns `path`."""
-    import json
-
-    with open(path, "w") as f:
-        for i in range(rows):
+def chat_file(path: Path) -> Path:
+    """40 short two-turn conversations as a JSONL file (replies of one to three sentences)."""
+    with path.open("w") as f:
+        for i in range(40):
             f.write(json.dumps({"messages": [
                 {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
                 {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 3)},
             ]}) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-target")
+    save_tiny_target(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def conversations_file(tmp_path_factory):
+    return chat_file(tmp_path_factory.mktemp("data") / "chats.jsonl")

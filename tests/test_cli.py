@@ -8,25 +8,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from conftest import save_tiny_target, write_chats
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.corpus import training_data
 from dflash.factory import build_draft
 from dflash.plan import plan
 from dflash.reporting import read_history
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-target")
-    save_tiny_target(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def conversations_file(tmp_path_factory):
-    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
 
 
 def _args(target, data, out, *extra):

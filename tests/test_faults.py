@@ -43,7 +43,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import save_tiny_target, write_chats
+from conftest import chat_file, save_tiny_target
 from dflash.cli import main
 
 MAX_STEPS, SAVE_EVERY, LOG_EVERY = 12, 3, 2
@@ -290,7 +290,7 @@ def run_chains(setup: dict, chains: list[tuple], jobs: int = 2) -> list[dict]:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("drills")
     save_tiny_target(root / "target")
-    setup = {"root": root, "target": root / "target", "data": write_chats(root / "chats.jsonl")}
+    setup = {"root": root, "target": root / "target", "data": chat_file(root / "chats.jsonl")}
     reference = root / "reference"
     started = time.monotonic()
     args = train_args(setup, reference, "data.num_workers=0", "keep_last=100", "save_interval=1")  # every step kept

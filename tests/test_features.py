@@ -22,7 +22,9 @@ from dflash.embedded import embedded_target_dir
 from dflash.feature_data import FeatureCollator, FeatureDataset, check_manifest, read_manifest
 from dflash.features import MANIFEST, PARTIAL, estimate_bytes, write_features
 from dflash.offline_target import OfflineTarget, load_head_and_embedding
+from dflash.state import data_fingerprint
 from dflash.target import FrozenTarget
+from dflash.tokenization import check_token_absent
 
 LAYERS = [0, 2]
 MAX_LENGTH = 24
@@ -288,3 +290,25 @@ def test_feature_rows_load_in_dataloader_workers(written):
     assert sum(b["input_ids"].shape[0] for b in batches) == 7
     assert json.loads((written / MANIFEST).read_text())["header"]["dtype"] == "float32"
 
+
+
+def test_token_checks_read_no_features(written, monkeypatch):
+    """The mask-token check and the data fingerprint read a feature row's tokens only (a large corpus's
+    features would otherwise be read once more at every start)."""
+    data = FeatureDataset(written)
+    read: list[str] = []
+    shard = data._shard
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_slice(self, key):
+            read.append(key)
+            return self.inner.get_slice(key)
+
+    monkeypatch.setattr(data, "_shard", lambda k: Recording(shard(k)))
+    data_fingerprint(data)
+    check_token_absent(data, 127, None)
+    assert set(read) == {"input_ids", "loss_mask"}
+    assert set(data[0]) == {"input_ids", "loss_mask", "features", "labels"} and data[0]["features"].shape[0] == 5

@@ -1,0 +1,219 @@
+"""Training from offline target features (`data.features`, `dflash features`): the same steps as online
+training, written and resumed through the CLI, refused when they do not match the run, sync-free."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import dflash.factory as factory_module
+from conftest import make_tiny_target, tiny_config
+from dflash.cli import main
+from dflash.config import TrainConfig
+from dflash.corpus import training_data
+from dflash.diagnostics import forbid_syncs
+from dflash.embedded import embedded_target_dir
+from dflash.feature_data import FeatureDataset
+from dflash.features import HELD_OUT_PART, MANIFEST, TRAIN_PART, write_features
+from dflash.hf_module import DFlashTrainingModule
+from dflash.offline_target import OfflineTarget
+from dflash.target import FrozenTarget
+from dflash.trainer import DFlashTrainer
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(embedded_target_dir())
+
+
+def make_rows(n: int = 16, seed: int = 0) -> datasets.Dataset:
+    """Rows of varied length (5..36 tokens) without the tiny mask token, the first 3 tokens unsupervised."""
+    g = torch.Generator().manual_seed(seed)
+    ids, masks = [], []
+    for i in range(n):
+        length = 5 + (11 * i) % 32
+        ids.append(torch.randint(0, 120, (length,), generator=g).tolist())
+        masks.append([0] * 3 + [1] * (length - 3))
+    return datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks})
+
+
+def _train(trainer: DFlashTrainer, batches: list[dict]) -> list[float]:
+    losses = []
+    for batch in batches:
+        trainer.train_step(batch)
+        losses.append(trainer.metrics.flush()["loss"])  # a sync per step: fine outside the sync check
+    return losses
+
+
+@pytest.mark.parametrize("labels", ["data", "target"])
+def test_offline_training_equals_online_step_for_step(labels, tokenizer, tmp_path, one_thread):
+    """Same seed, same rows in the same batches (grad_accum 2, so the features are split into micro-batches
+    too): the losses and the final weights of a run from fp32 feature files equal the online run's."""
+    model, rows = make_tiny_target(head_std=0.05), make_rows()
+    settings = dict(target="tiny", data__labels=labels, optim__grad_accum=2, batch_size=2, data__max_length=32,
+                    data__bucket_multiple=16, spec_eval_prompts=0)
+    online = DFlashTrainer(tiny_config(**settings), target=model, tokenizer=tokenizer)
+    root = tmp_path / "features"
+    write_features(FrozenTarget(model, online.draft_config.target_layer_ids), "tiny", rows, root / TRAIN_PART,
+                   tokenizer=tokenizer, dtype="float32", max_length=32, labels=labels == "target", shard_rows=5,
+                   batch_size=3, progress=False)
+    offline = DFlashTrainer(tiny_config(**settings, data__features=str(root)), target=model, tokenizer=tokenizer)
+    assert isinstance(offline.target, OfflineTarget)
+    feature_rows = FeatureDataset(root / TRAIN_PART)
+    order = [[(4 * s + k) % len(rows) for k in range(4)] for s in range(STEPS)]
+    on_collate, off_collate = online._collator(), offline._collator()
+    online_batches = [on_collate([rows[i] for i in idx]) for idx in order]
+    offline_batches = [off_collate([feature_rows[i] for i in idx]) for idx in order]
+    assert all("features" in b and ("labels" in b) == (labels == "target") for b in offline_batches)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(online_batches, offline_batches, strict=True))
+
+    online_losses, offline_losses = _train(online, online_batches), _train(offline, offline_batches)
+    assert offline_losses == pytest.approx(online_losses, abs=1e-6)
+    assert online_losses[0] != online_losses[-1]  # the weights did move
+    for (name, a), (_, b) in zip(online.draft.state_dict().items(), offline.draft.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+def _settings(target: Path, data: Path, cache: Path, *extra: str) -> list[str]:
+    """What `dflash features` and `dflash train` share on the tiny target (the held-out split included)."""
+    return [f"target={target}", f"data.source={data}", "device=cpu", "draft.mask_token_id=16", "draft.block_size=4",
+            "draft.num_anchors=8", "batch_size=4", "data.max_length=64", "data.bucket_multiple=32", "data.eval_size=8",
+            "data.regenerate=false", "data.num_workers=0", "log_interval=2", "ce_chunk_size=256",
+            "spec_eval_prompts=0", "progress_bar=false", f"data.cache_dir={cache}", *extra]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def feature_dir(tiny_target_dir, conversations_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-features") / "features"
+    cache = root.parent / "cache"
+    assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={root}")]) == 0
+    return root
+
+
+def test_features_command_writes_what_train_trains_from(feature_dir, tiny_target_dir, conversations_file, tmp_path,
+                                                       capsys, monkeypatch):
+    """Both parts written (train and held-out rows, as training splits them); `dflash train data.features=...`
+    trains from them without loading the trunk, and evaluates on the held-out part."""
+    cache = feature_dir.parent / "cache"
+    config = TrainConfig.from_sources(None, _settings(tiny_target_dir, conversations_file, cache))
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    corpus = training_data(None, config.data, AutoTokenizer.from_pretrained(tiny_target_dir), model, config.target)
+    train, held_out = FeatureDataset(feature_dir / TRAIN_PART), FeatureDataset(feature_dir / HELD_OUT_PART)
+    assert len(train) == len(corpus.train) and len(held_out) == len(corpus.eval)
+    assert train[3]["input_ids"].tolist() == list(corpus.train[3]["input_ids"])
+
+    def no_trunk(*args, **kwargs):
+        raise AssertionError("a run from offline features loaded the target model")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_trunk)
+    out = tmp_path / "run"
+    assert main(["train", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={feature_dir}",
+                                     f"output_dir={out}", "max_steps=4")]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["train"]["loss"] > 0
+    assert summary["held_out"]["tau"] >= 1.0  # the held-out part's features
+    assert (out / "export" / "model.safetensors").exists()
+    capsys.readouterr()
+
+
+def test_features_command_skips_a_finished_folder_and_resumes_an_interrupted_one(
+        feature_dir, tiny_target_dir, conversations_file, tmp_path, monkeypatch, capsys):
+    cache = feature_dir.parent / "cache"
+    before = _files(feature_dir)
+    assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={feature_dir}")]) == 0
+    assert _files(feature_dir) == before  # finished: nothing rewritten
+    assert "features already complete" in capsys.readouterr().err
+
+    # Small shards; the first run stops after one shard of the training part (as a killed run would).
+    real = factory_module.write_features
+
+    def write(stop_first: list[bool], *args, **kwargs):
+        stop = stop_first.pop() if stop_first else None
+        return real(*args, **kwargs, shard_rows=5, stop_after_shards=1 if stop else None)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    monkeypatch.setattr(factory_module, "write_features", functools.partial(write, []))
+    assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={straight}")]) == 0
+    monkeypatch.setattr(factory_module, "write_features", functools.partial(write, [True]))
+    assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={resumed}")]) == 0
+    assert not (resumed / TRAIN_PART / MANIFEST).exists()  # interrupted after its first shard
+    [kept] = (resumed / TRAIN_PART).glob("shard-*")
+    written = kept.stat().st_ino, kept.stat().st_mtime_ns
+    monkeypatch.setattr(factory_module, "write_features", functools.partial(write, []))
+    assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={resumed}")]) == 0
+    assert (kept.stat().st_ino, kept.stat().st_mtime_ns) == written  # kept, not computed again
+    assert len(list((straight / TRAIN_PART).glob("shard-*"))) > 1
+    assert _files(resumed) == _files(straight)
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("override, named", [
+    ("data.max_length=48", "another max length: expected 48, found 64"),
+    ("draft.target_layer_ids=[0,1]", "another set of layer ids: expected [0, 1]"),
+    ("data.labels=target", "another label setting"),
+])
+def test_train_refuses_features_of_other_settings(override, named, feature_dir, tiny_target_dir, conversations_file,
+                                                  tmp_path, capsys):
+    out = tmp_path / "run"
+    args = _settings(tiny_target_dir, conversations_file, feature_dir.parent / "cache", f"data.features={feature_dir}",
+                     f"output_dir={out}", "max_steps=2", override)
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert named in err and f"dflash features CONFIG data.features={feature_dir}" in err
+    assert not (out / "metrics.jsonl").exists()  # refused before training
+
+
+def test_features_command_needs_the_folder_key(tiny_target_dir, conversations_file, tmp_path, capsys):
+    assert main(["features", *_settings(tiny_target_dir, conversations_file, tmp_path)]) == 2
+    assert "set data.features=DIR" in capsys.readouterr().err
+
+
+def test_a_run_from_features_refuses_speculative_evaluation(feature_dir, tiny_target_dir, conversations_file, tmp_path,
+                                                           capsys):
+    args = _settings(tiny_target_dir, conversations_file, tmp_path, f"data.features={feature_dir}",
+                     f"output_dir={tmp_path / 'run'}", "spec_eval_prompts=3")
+    assert main(["train", *args]) == 2
+    assert "set spec_eval_prompts=0" in capsys.readouterr().err
+
+
+def test_offline_steps_from_the_real_data_pipeline_are_sync_free(feature_dir, tiny_target_dir, conversations_file,
+                                                                tmp_path):
+    """DataLoader (one worker) + FeatureCollator + prefetcher feeding non-log offline steps inside forbid_syncs()."""
+    cfg = TrainConfig.from_sources(None, _settings(tiny_target_dir, conversations_file, feature_dir.parent / "cache",
+                                                   f"data.features={feature_dir}", f"output_dir={tmp_path / 'r'}",
+                                                   "data.num_workers=1", "optim.grad_accum=2", "batch_size=2"))
+    trainer = DFlashTrainer(cfg)
+    train = training_data(None, cfg.data, trainer.tokenizer, trainer.target.model, cfg.target).train
+    batches = trainer._device_batches(train)
+    trainer.train_step(next(batches))
+    with forbid_syncs(raise_on_first=False) as report:
+        for _ in range(3):
+            batch = next(batches)
+            assert "features" in batch
+            trainer.train_step(batch)
+    assert report.findings == [], report
+
+
+def test_dry_run_says_the_trunk_is_not_loaded(feature_dir, tiny_target_dir, conversations_file, tmp_path, capsys):
+    args = _settings(tiny_target_dir, conversations_file, tmp_path, f"data.features={feature_dir}")
+    assert main(["train", *args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "embedding and LM head only (data.features: the trunk is not loaded)" in out
+    assert f"none (data.features: the target's features are read from {feature_dir})" in out
+
+
+def test_the_transformers_trainer_path_refuses_features(tmp_path):
+    with pytest.raises(ValueError, match="not by the transformers.Trainer path: set data.features=null"):
+        DFlashTrainingModule.from_config(tiny_config(data__features=str(tmp_path)), make_tiny_target(), None)
