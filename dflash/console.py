@@ -44,7 +44,8 @@ def process_rank() -> int:
 
 
 def set_progress_bars(enabled: bool) -> None:
-    """Show (True, the default) or hide every dflash progress bar of this process."""
+    """Show (True, the default) or hide every dflash progress bar of this process (like `datasets`' switch:
+    each `fit` sets it from its `progress_bar`, and it holds until changed)."""
     global _progress_bars
     _progress_bars = bool(enabled)
 

@@ -41,6 +41,7 @@ def bars(monkeypatch):
     recorder = _Bars()
     monkeypatch.setattr(console, "tqdm", recorder)
     monkeypatch.delenv("RANK", raising=False)
+    console.set_progress_bars(True)  # the default; an earlier run's `progress_bar: false` holds until the next run
     yield recorder
     console.set_progress_bars(True)
 
