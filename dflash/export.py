@@ -60,7 +60,7 @@ from torch import nn
 from dflash.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
 from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
 from dflash.factory import draft_model_for_config
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -287,7 +287,7 @@ def check_compatible(draft_config: DFlashDraftConfig, target_model: nn.Module) -
     """
     model = target_model.model if hasattr(target_model, "layer_ids") else target_model
     cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config_of(cfg)
     layers = text.num_hidden_layers
     emb_rows, emb_dim = model.get_input_embeddings().weight.shape
     head = model.get_output_embeddings()

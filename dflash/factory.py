@@ -25,7 +25,7 @@ from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, i
 from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.feature_data import check_run_features
 from dflash.features import HELD_OUT_PART, TRAIN_PART, dtype_name, estimate_bytes, part_dir, write_features
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
 from dflash.offline_target import OfflineTarget
 from dflash.runtime import load_target, load_target_config, load_tokenizer, resolve_device, resolve_dtype, target_location
@@ -101,7 +101,7 @@ def offline_target(config: TrainConfig, target: Any, tokenizer: Any, *, dtype: t
         offline = OfflineTarget.from_model(target, _layer_ids(config, target.config, tokenizer, rows))
     else:
         hf_config = load_target_config(config.target)
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        text = text_config_of(hf_config)
         offline = OfflineTarget.from_pretrained(config.target, _layer_ids(config, hf_config, tokenizer, text.vocab_size),
                                                 dtype)
     check_run_features(config.data.features, target_name=config.target, target_config=offline.text_config,
@@ -128,7 +128,7 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
             tokenizer = tokenizer or loaded
         return target, tokenizer
     hf_config = target.config if target is not None else load_target_config(config.target)
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config_of(hf_config)
     check_tp_support(text, size)
     mesh = tp_mesh(size, device.type)
     if config.data.regenerate:

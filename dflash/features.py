@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from dflash.modeling import text_config_of
 from dflash.target import FrozenTarget
 from dflash.tokenization import tokenizer_fingerprint
 
@@ -75,7 +76,7 @@ def _sha256(data: bytes) -> str:
 
 def config_hash(config: Any) -> str:
     """Hash of what a (text) config says about the model's computation (not how it was saved or loaded)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config_of(config)
     entries = text.to_dict() if hasattr(text, "to_dict") else dict(text)
 
     def clean(value: Any) -> Any:

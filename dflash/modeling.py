@@ -41,6 +41,11 @@ def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     return [round(1 + j * (num_target_layers - 4) / (num_ids - 1)) for j in range(num_ids)]
 
 
+
+def text_config_of(config: Any) -> Any:
+    """The text part of an HF config (a multimodal model's language model; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
 @dataclass
 class DFlashDraftConfig:
     """Shape of a DFlash draft. `hidden_size` and `vocab_size` must equal the target's."""
@@ -85,7 +90,7 @@ class DFlashDraftConfig:
     def for_target(cls, target_config: Any, *, mask_token_id: int, num_hidden_layers: int = 1,
                    target_layer_ids: list[int] | None = None, **overrides: Any) -> DFlashDraftConfig:
         """A draft shaped like the target's layers (heads, head_dim, FFN), as published drafts are."""
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        text = text_config_of(target_config)
         num_layers = text.num_hidden_layers
         heads = text.num_attention_heads
         fields: dict[str, Any] = dict(

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dflash.modeling import text_config_of
 from dflash.runtime import target_location
 
 _INDEX = "model.safetensors.index.json"
@@ -91,14 +92,14 @@ class OfflineTarget(nn.Module):
         not used (nor kept: only the two weight tensors are referenced)."""
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config_of(model.config)
         return cls(embed, embed if head is None else head.weight, config, layer_ids)
 
     @classmethod
     def from_pretrained(cls, model_path_or_id: str, layer_ids: list[int], dtype: torch.dtype) -> OfflineTarget:
         """The embedding and LM head of a checkpoint (`load_head_and_embedding`), nothing else."""
         embed, head, config = load_head_and_embedding(model_path_or_id, dtype)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config_of(config)
         return cls(embed, head, text, layer_ids)
 
 

@@ -16,6 +16,7 @@ from dflash.corpus import _conversations, _regenerated_file, _training_rows, spl
 from dflash.embedded import cache_root, embedded_target_dir
 from dflash.factory import draft_config_for, draft_model_for_config
 from dflash.losses import decay_gamma
+from dflash.modeling import text_config_of
 from dflash.regenerate import prompt_id, prompt_turns
 from dflash.reporting import split_warning
 from dflash.runtime import resolve_device, resolve_dtype
@@ -39,7 +40,7 @@ def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
         model = AutoModelForCausalLM.from_config(target_config, dtype=dtype)
     whole = target_parameter_bytes(model)
     if tp > 1:
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        text = text_config_of(target_config)
         shard_model_(model, check_tp_support(text, tp), 0, tp)
     mine = target_parameter_bytes(model)
     return (f"{_gib(mine['total'])} (decoder layers {_gib(mine['layers'])} of {_gib(whole['layers'])}, embedding "
@@ -111,7 +112,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
     device by the trainer's own factory, so a Domino draft counts its head), tokens per step."""
     source = target_source(config.target)
     target_cfg = AutoConfig.from_pretrained(source)
-    text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    text = text_config_of(target_cfg)
     tokenizer = AutoTokenizer.from_pretrained(source)
     ds = config.draft
     draft_cfg = draft_config_for(config, target_cfg, tokenizer, text.vocab_size)

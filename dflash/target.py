@@ -17,6 +17,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from dflash.modeling import text_config_of
+
 
 class LayerCapture:
     """Forward hooks that keep the outputs of decoder layers `layer_ids` (the one feature rule).
@@ -75,8 +77,7 @@ class SharedHead:
 
     @property
     def text_config(self) -> Any:
-        cfg = self.model.config
-        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return text_config_of(self.model.config)
 
     @property
     def hidden_size(self) -> int:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dflash.modeling import text_config_of
 from dflash.target import CAUSAL_WITHOUT_MASK, SharedHead, greedy_labels
 from dflash.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
@@ -144,10 +145,6 @@ def shard_model_(model: nn.Module, plan: dict[str, str], rank: int, tp: int) -> 
     return sources
 
 
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _group_rank_size(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -157,7 +154,7 @@ def _build_sharded(config: Any, group: dist.ProcessGroup, dtype: torch.dtype,
     """A causal LM of `config` holding only rank's shards (uninitialised, on `device`): built on the
     meta device, sharded there, then allocated, so no rank ever holds the full trunk."""
     rank, tp = _group_rank_size(group)
-    plan = check_tp_support(_text_config(config), tp)
+    plan = check_tp_support(text_config_of(config), tp)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -246,14 +243,14 @@ class TensorParallelTarget(SharedHead, nn.Module):
         super().__init__()
         self.group = resolve_tp_group(group)
         self.tp_rank, self.tp_size = _group_rank_size(self.group)
-        plan = check_tp_support(_text_config(model.config), self.tp_size)
+        plan = check_tp_support(text_config_of(model.config), self.tp_size)
         impl = model.get_decoder().config._attn_implementation
         if impl not in CAUSAL_WITHOUT_MASK:
             raise ValueError(f"target attention implementation {impl!r} is not supported: load the target with "
                              "attn_implementation='sdpa' (or a flash-attention implementation)")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown tensor-parallel schedule {schedule!r}; choose one of {SCHEDULES}")
-        self.num_layers = _text_config(model.config).num_hidden_layers
+        self.num_layers = text_config_of(model.config).num_hidden_layers
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad or not layer_ids:
             raise ValueError(f"target_layer_ids {layer_ids} out of range: the target has {self.num_layers} layers "

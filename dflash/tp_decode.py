@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash.modeling import text_config_of
 from dflash.runtime import init_distributed, load_target_config, load_tokenizer, target_location
 from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
 from dflash.tp_group import GroupBatchTarget
@@ -248,7 +249,7 @@ def load_sharded_target(name: str, layer_ids: list[int], tp: int, *, device: tor
     rank's shards read (`TensorParallelTarget.from_pretrained`)."""
     init_distributed()
     config = load_target_config(name)
-    check_tp_support(config.get_text_config() if hasattr(config, "get_text_config") else config, tp)
+    check_tp_support(text_config_of(config), tp)
     target = TensorParallelTarget.from_pretrained(target_location(name), layer_ids, tp_mesh(tp, device.type),
                                                   dtype=dtype, device=device, schedule="unsplit")
     return target, load_tokenizer(name)
