@@ -28,6 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from conftest import make_tiny_target, random_batch, tiny_config  # noqa: E402
 from dflash.anchors import reseed, sample_anchors  # noqa: E402
+from dflash.runtime import shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
 # The FSDP2 comparison: 2 micro-batches per step, 2 steps, clipping active (the grad norm is ~6).
@@ -159,3 +160,4 @@ if __name__ == "__main__":
         main_fsdp2(Path(sys.argv[1]))
     else:  # DDP, with the position weights named after the output path (default: decay)
         main_ddp(Path(sys.argv[1]), *sys.argv[2:])
+    shutdown_distributed()  # the trainers are gone: their DDP reducers before the group, not at exit (SIGABRT)
