@@ -33,6 +33,7 @@ import re
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -123,6 +124,23 @@ def wait(proc: multiprocessing.Process, log: Path, timeout: float = 180.0) -> in
         tail = log.read_text()[-1500:] if log.exists() else ""
         raise Hung(f"{log.name} did not end within {timeout:.0f} s; its log ends: {tail!r}")
     return proc.exitcode
+
+
+def wait_for_writers(log: Path, timeout: float = 30.0) -> None:
+    """Until no process holds `log` open (Linux /proc): a SIGKILLed run's DataLoader workers outlive it a
+    moment and may still be printing, so its log is complete only once they are gone."""
+    target, deadline = str(log.resolve()), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        holders = 0
+        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+            try:
+                holders += any(os.readlink(fd) == target for fd in fd_dir.iterdir())
+            except OSError:  # the process ended while we looked
+                continue
+        if not holders:
+            return
+        time.sleep(0.05)
+    raise Hung(f"{log.name}: a process still holds it open {timeout:.0f} s after its run ended")
 
 
 def wait_for_lines(metrics: Path, before: int, lines: int, proc: multiprocessing.Process,
@@ -228,6 +246,7 @@ def run_chain(setup: dict, name: str, attempts: list[dict], out_file: Path, *, w
                 os.killpg(proc.pid, getattr(signal, attempt["signal"]))
         entry["status"] = wait(proc, log)
         entry["seconds"] = round(time.monotonic() - started, 2)
+        wait_for_writers(log)
         text = log.read_text() if log.exists() else ""  # a kill can land before the run opens its log
         found = RESUMED.search(text)
         entry["resumed"] = int(found.group(2)) if found else 0
@@ -404,3 +423,19 @@ def test_runs_share_no_lock_with_the_test_process(setup):
     assert status == 0, log.read_text()[-2000:]
     assert "Loading weights" in log.read_text()  # it drew a bar
     shutil.rmtree(run)
+
+
+def test_a_log_is_read_only_after_its_last_writer_is_gone(tmp_path):
+    """What a SIGKILLed run's orphaned worker prints after the run ended is in the log the drill reads."""
+    log = tmp_path / "orphan.log"
+    script = "import sys, time; f = open(sys.argv[1], 'a'); time.sleep(1.0); f.write('EOFError'); f.close()"
+    with log.open("w") as opened:
+        writer = subprocess.Popen([sys.executable, "-c", script, str(log)])  # fork + exec: no shared locks
+        opened.write("Traceback (most recent call last):\n")
+    deadline = time.monotonic() + 10
+    while not any(os.readlink(fd) == str(log.resolve()) for fd in Path(f"/proc/{writer.pid}/fd").iterdir()):
+        assert time.monotonic() < deadline, "the writer never opened the log"
+        time.sleep(0.01)
+    wait_for_writers(log)
+    assert log.read_text().endswith("EOFError")
+    writer.wait()
