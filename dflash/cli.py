@@ -29,14 +29,16 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from dflash.console import process_rank, summary_table
     from dflash.reporting import SUMMARY_NAME
+    from dflash.runtime import launch_process_group
     from dflash.stopping import EXIT_NONFINITE, NonFiniteError, interrupted_exit_code
     from dflash.trainer import DFlashTrainer
 
-    try:
-        summary = DFlashTrainer(config).fit()
-    except NonFiniteError as e:
-        print(f"dflash train: stopped: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
+    with launch_process_group():  # torchrun: the group goes before the interpreter exits (else SIGABRT)
+        try:
+            summary = DFlashTrainer(config).fit()
+        except NonFiniteError as e:  # the traceback (and the trainer in it) is freed before the group goes
+            print(f"dflash train: stopped: {e}", file=sys.stderr)
+            return EXIT_NONFINITE
     if process_rank() == 0:  # one table per launch; the full JSON is RUN/summary.json
         print(json.dumps(summary, indent=2) if args.json else summary_table(summary, Path(config.output_dir) / SUMMARY_NAME))
     if summary.get("interrupted"):  # saved; a scheduler requeues it with resume_from=latest
@@ -53,9 +55,11 @@ def _config(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from dflash.evaluate import format_report, run_eval
+    from dflash.runtime import launch_process_group
 
-    report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
-                      max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)  # target None: the draft's
+    with launch_process_group():  # torchrun shards the target: its group goes before exit
+        report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+                          max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)  # target None: the draft's
     print(format_report(report))
     return 0
 
@@ -71,10 +75,12 @@ def _export(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from dflash.corpus import regenerate_source
     from dflash.preflight import check_dependencies
+    from dflash.runtime import launch_process_group
 
     config = TrainConfig.from_sources(args.config, args.overrides)
     check_dependencies(config)  # before the target loads
-    result = regenerate_source(config)
+    with launch_process_group():
+        result = regenerate_source(config)
     print(f"{result.path}: {result.written} new replies, {result.reused} reused, skipped {result.skipped}")
     return 0
 
@@ -82,11 +88,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from dflash.factory import write_run_features
     from dflash.preflight import check_dependencies
+    from dflash.runtime import launch_process_group
 
     config = TrainConfig.from_sources(args.config, args.overrides)
     check_dependencies(config)  # before the target loads
     start = time.perf_counter()
-    parts = write_run_features(config)
+    with launch_process_group():
+        parts = write_run_features(config)
     print(f"features: {', '.join(str(path) for path in parts.values())} ({time.perf_counter() - start:.1f} s); train "
           f"from them with: dflash train [CONFIG] data.features={config.data.features}")
     return 0
@@ -136,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--draft", required=True, help="exported draft folder (config.json + model.safetensors)")
     ev.add_argument("--target", help="target model: embedded, an HF id or a path (default: the target the draft "
                     "was trained for, from its config.json; else embedded)")
-    ev.add_argument("--prompts", default="chitchat", help="chitchat (held-out split) or a conversations file/folder")
+    ev.add_argument("--prompts", default="auto", help="auto (the held-out prompts of the draft's run, else "
+                    "chitchat's), chitchat (its held-out split) or a conversations file/folder")
     ev.add_argument("--num-prompts", type=int, default=20)
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--device", default="auto")

@@ -102,6 +102,14 @@ class DataSettings:
     # target (its trunk is never loaded). null: the target runs in every step.
     features: str | None = None
 
+    def held_out_split(self) -> dict[str, Any]:
+        """The settings that decide which conversations are held out (`dflash.corpus.held_out_conversations`
+        reads them back): an export records them so `dflash eval` decodes its run's held-out prompts."""
+        return {key: getattr(self, key) for key in HELD_OUT_SPLIT_KEYS}
+
+
+HELD_OUT_SPLIT_KEYS = ("source", "split", "limit", "eval_size")  # the source, limited, then split by id hash
+
 
 @dataclass
 class TensorParallelSettings:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dflash.config import DataSettings
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
-from dflash.feature_data import FeatureDataset, run_feature_parts
+from dflash.feature_data import FeatureDataset, read_split_record, run_feature_parts
 from dflash.regenerate import prompt_id, prompt_turns, regenerate
 from dflash.runtime import load_target, resolve_device, resolve_dtype
 from dflash.sources import load_conversations
@@ -36,6 +36,7 @@ class Corpus:
     eval: Any | None
     description: dict[str, Any]
     held_out_conversations: list[dict[str, Any]]  # their first user turns are speculative-eval prompts
+    held_out_split: dict[str, Any] | None = None  # the settings that chose them (`DataSettings.held_out_split`)
 
 
 def _stable_key(conv_id: str) -> str:
@@ -91,6 +92,14 @@ def _conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], int]:
     return conversations[: settings.limit] if settings.limit is not None else conversations, len(conversations)
 
 
+def held_out_conversations(split: dict[str, Any]) -> list[dict[str, Any]]:
+    """The held-out conversations of a recorded split (`DataSettings.held_out_split`), in the order a run's
+    speculative evaluation takes its prompts from them (the first `spec_eval_prompts`)."""
+    settings = DataSettings(**split)
+    conversations, _ = _conversations(settings)
+    return split_held_out(conversations, settings.eval_size)[1]
+
+
 def _regenerate_turns(settings: DataSettings, part: str) -> int:
     """User turns answered per conversation: `data.regenerate_turns` for training, 1 for held-out rows
     (their first user turns are the speculative-evaluation prompts)."""
@@ -100,7 +109,7 @@ def _regenerate_turns(settings: DataSettings, part: str) -> int:
 def _split_tag(settings: DataSettings) -> str:
     """Names the split's files: the source, its split, `limit` and `eval_size` decide which conversations
     land on each side."""
-    return hashlib.sha1(f"{settings.source}|{settings.split}|{settings.limit}|{settings.eval_size}".encode()).hexdigest()[:10]
+    return hashlib.sha1("|".join(str(v) for v in settings.held_out_split().values()).encode()).hexdigest()[:10]
 
 
 def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
@@ -213,19 +222,20 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         "files": {k: str(v) for k, v in paths.items()},
     }
     log.info("corpus: %s", description)
-    return Corpus(datasets["train"], datasets.get("eval"), description, held)
+    return Corpus(datasets["train"], datasets.get("eval"), description, held, settings.held_out_split() if held else None)
 
 
 def feature_corpus(root: str) -> Corpus:
     """The corpus of a run's offline feature folder (`dflash features`): its training part and, when the run
     held rows out, its held-out part, both `FeatureDataset`s. No held-out conversations: speculative
-    decoding needs the target's trunk, which a run from features never loads."""
+    decoding needs the target's trunk, which a run from features never loads; their split is recorded
+    (`write_split_record`), so the export's `dflash eval` decodes them."""
     train_dir, held_out_dir = run_feature_parts(root)
     train = FeatureDataset(train_dir)
     held_out = FeatureDataset(held_out_dir) if held_out_dir is not None else None
     description = {"features": str(root), "train_rows": len(train), "eval_rows": len(held_out) if held_out else 0}
     log.info("corpus: %s", description)
-    return Corpus(train, held_out, description, [])
+    return Corpus(train, held_out, description, [], read_split_record(root))
 
 
 def training_data(dataset: Any, settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str, *,

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.corpus import split_held_out
+from dflash.corpus import held_out_conversations, split_held_out
 from dflash.embedded import chitchat_conversations
-from dflash.export import check_compatible, load_exported, trained_target
+from dflash.export import check_compatible, load_exported, trained_held_out_split, trained_target
 from dflash.regenerate import prompt_turns, stop_token_ids
 from dflash.runtime import load_target, resolve_device, resolve_dtype
 from dflash.sources import load_conversations
@@ -108,14 +108,33 @@ def format_report(r: dict[str, Any]) -> str:
             f"per-position acceptance: {per_pos}\nacceptance histogram (1..bs): {r['acceptance_histogram']}")
 
 
-def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "chitchat", num_prompts: int = 20,
+def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int = 64) -> list[dict[str, Any]]:
+    """The conversations whose first user turns `dflash eval` decodes. "auto": the held-out split the
+    draft's run recorded (`dflash_config.held_out_split`: the prompts of its own end-of-run evaluation, in
+    its order), else chitchat's; "chitchat": chitchat's held-out split of `held_out_size` conversations
+    (never trained on by a run on all of chitchat); otherwise a conversations file or folder."""
+    split = trained_held_out_split(draft_dir) if prompts == "auto" else None
+    if split is not None:
+        log.info("prompts: the held-out split of the draft's run (%s)", split)
+        try:
+            return held_out_conversations(split)
+        except (OSError, ValueError) as e:  # e.g. a local source file that is not on this machine
+            raise ValueError(f"the draft's held-out prompts come from data.source={split['source']!r}, not "
+                             f"readable here ({e}); pass --prompts chitchat or --prompts FILE") from e
+    if prompts in ("auto", "chitchat"):
+        return split_held_out(chitchat_conversations(), held_out_size)[1]
+    return load_conversations(prompts, require_assistant=False)[0]
+
+
+def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "auto", num_prompts: int = 20,
              max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
              held_out_size: int = 64, tensor_parallel: int | None = None) -> dict[str, Any]:
     """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft.
 
     Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
     launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.tp_decode`);
-    every rank returns the report, rank 0 writes it."""
+    every rank returns the report, rank 0 writes it. `prompts`: see `eval_conversations`."""
+    conversations = eval_conversations(prompts, draft_dir, held_out_size)  # before any weight is read
     if target is None:  # the target the draft was trained for (its config.json), else the embedded one
         target = trained_target(draft_dir) or "embedded"
         log.info("target: %s (%s)", target, "from the draft's config.json" if trained_target(draft_dir) else "default")
@@ -128,10 +147,6 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
         model, tokenizer = load_target(target, torch_dtype)
         model.to(dev).eval()
     check_compatible(draft.config, model)
-    if prompts == "chitchat":  # the held-out split of training (prompts the draft never saw)
-        _, conversations = split_held_out(chitchat_conversations(), held_out_size)
-    else:
-        conversations, _ = load_conversations(prompts, require_assistant=False)
     run = lambda m: speculative_report(m, tokenizer, draft, conversations, num_prompts=num_prompts,
                                        max_new_tokens=max_new_tokens)
     report = decode_report(model, run) if tp > 1 else run(model)

@@ -31,13 +31,16 @@ the `model.` prefix itself). The reference's `AutoModel.from_pretrained(..., tru
 path additionally needs its modeling file and an `auto_map` entry in the folder; this exporter
 writes neither (it ships weights and config, not code).
 
-Two more keys, for readers that need them:
+Three more keys, for readers that need them:
 * `eagle_aux_hidden_state_layer_ids` (top level): the same layers in vLLM's convention, where aux id j
   is the hidden state entering decoder layer j (the output of layer j - 1), so it is
   `target_layer_ids` + 1. vLLM's GPU model runner takes this key first; versions that fall back to
   `dflash_config.target_layer_ids` without adding 1 would otherwise read each layer one too early.
 * `dflash_config.target`: the target the draft was trained for (`config.target`: "embedded", a hub id
   or a path), which `dflash eval` takes when `--target` is not given.
+* `dflash_config.held_out_split`: the data settings that chose the run's held-out conversations
+  (`DataSettings.held_out_split`), absent without a held-out split; `dflash eval` decodes those prompts by
+  default, so its τ is on the run's own end-of-run evaluation prompts. Serving engines ignore both.
 
 `dflash export` reads a `DFlashTrainer` checkpoint (or run folder) and a `transformers.Trainer`
 checkpoint folder: `DFlashHFTrainer`'s (this format plus `TRAINER_DRAFT_NAME`, the draft in its
@@ -58,6 +61,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
+from dflash.config import HELD_OUT_SPLIT_KEYS
 from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
 from dflash.factory import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
@@ -87,9 +91,11 @@ def expected_weight_names(num_layers: int, *, domino: bool = False) -> set[str]:
     return names
 
 
-def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *, target: str | None = None) -> dict[str, Any]:
+def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *, target: str | None = None,
+                  held_out: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `config.json` dict for a draft config (Qwen3 fields + DFlash keys); `target` is recorded as
-    `dflash_config.target` (a config read back from an export keeps its own in `extra`)."""
+    `dflash_config.target` and `held_out` (the run's `DataSettings.held_out_split`) as
+    `dflash_config.held_out_split` (a config read back from an export keeps its own in `extra`)."""
     dtype_name = _DTYPE_NAMES[dtype]
     n = cfg.num_hidden_layers
     reserved = set(_DFLASH_CORE_KEYS)
@@ -130,20 +136,22 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
             "target_layer_ids": list(cfg.target_layer_ids),
             **cfg.extra,
             **({"target": target} if target else {}),
+            **({"held_out_split": held_out} if held_out else {}),
         },
     }
 
 
 def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-                 target: str | None = None) -> Path:
+                 target: str | None = None, held_out: dict[str, Any] | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (weights cast to `dtype`, bf16 by default); `target`:
-    the target the draft was trained for (`dflash_config.target`)."""
-    return export_state(draft.config, draft.state_dict(), out_dir, dtype=dtype, target=target,
+    the target the draft was trained for, `held_out`: its run's held-out split (`export_config`)."""
+    return export_state(draft.config, draft.state_dict(), out_dir, dtype=dtype, target=target, held_out=held_out,
                         domino=isinstance(draft, DominoDraftModel))
 
 
 def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_dir: str | Path, *,
-                 dtype: torch.dtype = torch.bfloat16, target: str | None = None, domino: bool = False) -> Path:
+                 dtype: torch.dtype = torch.bfloat16, target: str | None = None, held_out: dict[str, Any] | None = None,
+                 domino: bool = False) -> Path:
     """`export_draft` from a draft config and its weights (published names), e.g. a gathered state dict."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
@@ -156,14 +164,24 @@ def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(export_config(cfg, dtype, target=target), indent=2, sort_keys=True) + "\n")
+    config = export_config(cfg, dtype, target=target, held_out=held_out)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
 def trained_target(draft_dir: str | Path) -> str | None:
     """The target an exported draft was trained for (`dflash_config.target`), None when not recorded."""
-    data = json.loads((Path(draft_dir) / CONFIG_NAME).read_text())
-    return (data.get("dflash_config") or {}).get("target")
+    return _recorded(draft_dir).get("target")
+
+
+def trained_held_out_split(draft_dir: str | Path) -> dict[str, Any] | None:
+    """The held-out split of an exported draft's run (`dflash_config.held_out_split`), None when not recorded."""
+    return _recorded(draft_dir).get("held_out_split")
+
+
+def _recorded(draft_dir: str | Path) -> dict[str, Any]:
+    """The `dflash_config` of an export's config.json."""
+    return json.loads((Path(draft_dir) / CONFIG_NAME).read_text()).get("dflash_config") or {}
 
 
 def _draft_of(config_dir: Path, weights: dict[str, torch.Tensor]) -> DFlashDraftModel:
@@ -200,8 +218,11 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> tuple[Path, Path
     folder = checkpoint_folder(path)
     draft_state, draft_config = load_checkpoint_draft(folder)
     run_config = folder.parent.parent / "config.yaml"  # RUN/checkpoints/step-N/ -> RUN/config.yaml
-    target = (yaml.safe_load(run_config.read_text()) or {}).get("target") if run_config.is_file() else None
-    return folder, export_draft(draft_from_checkpoint(draft_state, draft_config), out_dir, target=target)
+    run = (yaml.safe_load(run_config.read_text()) or {}) if run_config.is_file() else {}
+    data = run.get("data") or {}  # the whole resolved config (write_run_config): every key is there
+    held_out = {k: data[k] for k in HELD_OUT_SPLIT_KEYS} if data.get("eval_size") else None
+    return folder, export_draft(draft_from_checkpoint(draft_state, draft_config), out_dir, target=run.get("target"),
+                                held_out=held_out)
 
 
 def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:

@@ -24,7 +24,15 @@ from dflash.corpus import prepare_corpus
 from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, is_domino
 from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.feature_data import check_run_features
-from dflash.features import HELD_OUT_PART, TRAIN_PART, dtype_name, estimate_bytes, part_dir, write_features
+from dflash.features import (
+    HELD_OUT_PART,
+    TRAIN_PART,
+    dtype_name,
+    estimate_bytes,
+    part_dir,
+    write_features,
+    write_split_record,
+)
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
 from dflash.offline_target import OfflineTarget
@@ -216,7 +224,10 @@ def write_run_features(config: TrainConfig, *, target: Any = None, tokenizer: An
     total = estimate_bytes(sum(tokens.values()), frozen.hidden_size * len(layer_ids), dtype, labels)
     log.info("features of layers %s (%s) to %s: %s tokens, about %.2f GiB", layer_ids, dtype_name(dtype), root,
              " + ".join(f"{n} {part}" for part, n in tokens.items()), total / 2**30)
-    return {part: write_features(frozen, config.target, rows, part_dir(root, part), tokenizer=tokenizer, dtype=dtype,
-                                 max_length=config.data.max_length, labels=labels, batch_size=config.batch_size,
-                                 progress=config.progress_bar)
-            for part, rows in parts.items() if rows is not None}
+    written = {part: write_features(frozen, config.target, rows, part_dir(root, part), tokenizer=tokenizer,
+                                    dtype=dtype, max_length=config.data.max_length, labels=labels,
+                                    batch_size=config.batch_size, progress=config.progress_bar)
+               for part, rows in parts.items() if rows is not None}
+    if corpus.held_out_split is not None:  # a run from these files exports it (`dflash eval` decodes its prompts)
+        write_split_record(root, corpus.held_out_split)
+    return written

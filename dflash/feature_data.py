@@ -27,6 +27,7 @@ from dflash.features import (
     HELD_OUT_PART,
     MANIFEST,
     PARTIAL,
+    SPLIT_RECORD,
     TRAIN_PART,
     config_hash,
     dtype_name,
@@ -99,6 +100,12 @@ def run_feature_parts(root: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     held_out = part_dir(root, HELD_OUT_PART)
     has_held_out = (held_out / MANIFEST).is_file() or (held_out / PARTIAL).is_file()
     return part_dir(root, TRAIN_PART), held_out if has_held_out else None
+
+
+def read_split_record(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The held-out split a run's feature folder records (`features.write_split_record`), None without one."""
+    path = Path(root) / SPLIT_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def check_run_features(root: str | os.PathLike[str], **expected: Any) -> dict[str, Any]:

@@ -49,6 +49,7 @@ MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 # `dflash features` writes the training rows and the held-out rows of a run to these sub-folders of `data.features`.
 TRAIN_PART, HELD_OUT_PART = "train", "held_out"
+SPLIT_RECORD = "held_out_split.json"  # in a run's feature folder: the settings that chose its held-out rows
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config entries that say how a checkpoint was saved or loaded, not what the model computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
@@ -157,6 +158,12 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_split_record(root: str | os.PathLike[str], split: Mapping[str, Any]) -> None:
+    """Record in a run's feature folder the data settings that chose its held-out rows
+    (`DataSettings.held_out_split`; read by `feature_data.read_split_record`)."""
+    _write_json_atomic(Path(root) / SPLIT_RECORD, split)
 
 
 def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:

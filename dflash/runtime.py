@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,3 +133,14 @@ def shutdown_distributed() -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextmanager
+def launch_process_group() -> Iterator[None]:
+    """Around a command's work: destroys the process group the work initialised (a torchrun launch's), once
+    it returned normally. A group that existed before is the caller's and stays; after an exception the
+    traceback still holds the trainer and its DDP reducer, so the group is left to the exiting process."""
+    existed = dist.is_available() and dist.is_initialized()
+    yield
+    if not existed:
+        shutdown_distributed()

@@ -415,7 +415,8 @@ class DFlashTrainer:
         # One full draft for export and speculative decoding (FSDP2: gathered to rank 0 by every rank).
         final_draft = self.consolidated_draft() if cfg.export_on_finish or spec_eval else None
         if cfg.export_on_finish and self.rank == 0:
-            summary["export"] = str(export_draft(final_draft, run_dir / "export", target=cfg.target))
+            summary["export"] = str(export_draft(final_draft, run_dir / "export", target=cfg.target,
+                                                 held_out=corpus.held_out_split))
         if spec_eval and (report := self.speculative_eval(self.held_out_conversations, draft=final_draft)) is not None:
             summary["speculative"] = report  # rank 0 (under tensor_parallel its TP group decoded with it)
             (run_dir / "export" / "eval.json").write_text(json.dumps(report, indent=2))

@@ -6,14 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.corpus import training_data
+from dflash.evaluate import eval_conversations
 from dflash.factory import build_draft
 from dflash.plan import plan
 from dflash.reporting import read_history
+from dflash.runtime import shutdown_distributed
 
 
 def _args(target, data, out, *extra):
@@ -143,12 +146,45 @@ def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, con
     assert summary["speculative"]["lossless"] and summary["speculative"]["num_prompts"] == 3
     assert summary["speculative"]["teacher_forced_chain_tau"] >= 1.0 and "texts" not in summary["speculative"]
 
+    # `dflash eval` on the export decodes the run's own held-out prompts, in the run's order (its τ is the
+    # run's end-of-run τ up to the export's bf16 weights).
+    config = TrainConfig.from_sources(str(out / "config.yaml"), [])
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    held = training_data(None, config.data, AutoTokenizer.from_pretrained(tiny_target_dir), target,
+                         config.target).held_out_conversations
+    assert len(held) == 8 and eval_conversations("auto", out / "export") == held
+    assert eval_conversations("chitchat", out / "export") != held  # the fallback of a draft without a record
+
     # resume: continues from step 4 to 6, the log continues, no step is repeated
     assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=6", "resume_from=latest")) == 0
     capsys.readouterr()
     steps = [r["step"] for r in read_history(out) if "loss" in r]
     assert steps == [2, 4, 6]
     assert (out / "checkpoints" / "latest").read_text() == "step-00000006"
+
+
+@pytest.mark.parametrize("case", ["launch", "non-finite stop", "caller's group"])
+def test_train_destroys_the_process_group_of_its_launch(case, tiny_target_dir, conversations_file, tmp_path,
+                                                        monkeypatch, capsys):
+    """Under torchrun `dflash train` initialises the process group; it destroys it before returning (left
+    to interpreter exit, teardown order can abort a rank after its run is saved), also after the
+    non-finite stop (exit 3). A group the caller made before is the caller's and stays."""
+    def one_rank_group() -> tuple[int, int]:  # what init_distributed does under a launcher, on one rank
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return 0, 1
+
+    monkeypatch.setattr("dflash.trainer.init_distributed", one_rank_group)
+    if case == "caller's group":
+        one_rank_group()
+    extra = ["optim.lr=1e30", "max_nonfinite_skips=1"] if case == "non-finite stop" else []
+    try:
+        code = main(_args(tiny_target_dir, conversations_file, tmp_path / "run", "max_steps=2", "spec_eval_prompts=0",
+                          "export_on_finish=false", *extra))
+        assert code == (3 if case == "non-finite stop" else 0), capsys.readouterr().err[-2000:]
+        assert dist.is_initialized() == (case == "caller's group")
+    finally:
+        shutdown_distributed()
 
 
 def test_export_and_eval_commands(tiny_target_dir, conversations_file, tmp_path, capsys):

@@ -125,6 +125,10 @@ def test_features_command_writes_what_train_trains_from(feature_dir, tiny_target
     assert summary["steps"] == 4 and summary["train"]["loss"] > 0
     assert summary["held_out"]["tau"] >= 1.0  # the held-out part's features
     assert (out / "export" / "model.safetensors").exists()
+    # The export names the held-out split the feature folder recorded: `dflash eval` decodes those prompts.
+    recorded = json.loads((out / "export" / "config.json").read_text())["dflash_config"]["held_out_split"]
+    assert recorded == config.data.held_out_split() == corpus.held_out_split
+    assert recorded == {"source": str(conversations_file), "split": "train", "limit": None, "eval_size": 8}
     capsys.readouterr()
 
 
