@@ -118,7 +118,7 @@ def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int =
         log.info("prompts: the held-out split of the draft's run (%s)", split)
         try:
             return held_out_conversations(split)
-        except (OSError, ValueError) as e:  # e.g. a local source file that is not on this machine
+        except (OSError, TypeError, ValueError) as e:  # a source not on this machine; keys of another version
             raise ValueError(f"the draft's held-out prompts come from data.source={split['source']!r}, not "
                              f"readable here ({e}); pass --prompts chitchat or --prompts FILE") from e
     if prompts in ("auto", "chitchat"):

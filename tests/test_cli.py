@@ -332,6 +332,8 @@ BAD_INPUTS = {
                                "draft.safetensors: No space left on device); the earlier checkpoints are intact"),
     "read-only output": (lambda c: c.resume("max_steps=6", write=_no_space(30, "Read-only file system")), 4,
                          "Read-only file system"),
+    "eval of a draft whose run's data is not here": (lambda c: c.moved_export(), 2,
+                                                     "not readable here (dataset file or folder not found"),
     "plot of a damaged metrics line": (lambda c: ["plot", str(c.write("m/metrics.jsonl", "{\"step\": 1,\n{}\n").parent)],
                                        2, "metrics.jsonl, line 1: not a JSON line"),
 }
@@ -357,6 +359,14 @@ class _Case:
         assert main(_args(self.target, data, run, "max_steps=2", "spec_eval_prompts=0", "export_on_finish=false")) == 0
         data.write_text(data.read_text().replace("Question number", "Query"))
         return _args(self.target, data, run, "max_steps=4", "spec_eval_prompts=0", "resume_from=latest")
+
+    def moved_export(self) -> list[str]:
+        """`dflash eval` of the run's export on a machine without the run's data file."""
+        assert main(["export", str(self.run), str(self.tmp / "exported")]) == 0
+        config = json.loads((self.tmp / "exported" / "config.json").read_text())
+        config["dflash_config"]["held_out_split"]["source"] = str(self.tmp / "elsewhere.jsonl")
+        (self.tmp / "exported" / "config.json").write_text(json.dumps(config))
+        return ["eval", "--draft", str(self.tmp / "exported"), "--device", "cpu"]
 
     def train(self, *extra: str) -> list[str]:
         return _args(self.target, self.data, self.tmp / "fresh", "spec_eval_prompts=0", "max_steps=2", *extra)
