@@ -41,10 +41,10 @@ def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     return [round(1 + j * (num_target_layers - 4) / (num_ids - 1)) for j in range(num_ids)]
 
 
-
 def text_config_of(config: Any) -> Any:
     """The text part of an HF config (a multimodal model's language model; the config itself otherwise)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
 
 @dataclass
 class DFlashDraftConfig:

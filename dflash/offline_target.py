@@ -21,13 +21,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.modeling import text_config_of
 from dflash.runtime import target_location
+from dflash.target import SharedHead, checked_layer_ids
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-class OfflineTarget(nn.Module):
-    """A frozen target without its trunk: embedding `[V, H]` and LM head `[V, H]` (the same tensor when tied)."""
+class OfflineTarget(SharedHead, nn.Module):
+    """A frozen target without its trunk: embedding `[V, H]` and LM head `[V, H]` (the same tensor when tied);
+    `SharedHead` derives the rest from them and the text config."""
 
     # No HF model: what needs one (regeneration, speculative decoding) cannot run on this target.
     model = None
@@ -39,11 +41,7 @@ class OfflineTarget(nn.Module):
             raise ValueError(f"embedding {tuple(embed_weight.shape)} / LM head {tuple(lm_head_weight.shape)} do not "
                              f"match the config's hidden_size {text_config.hidden_size}")
         self.num_layers = text_config.num_hidden_layers
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"target_layer_ids {layer_ids} out of range: the target has {self.num_layers} layers "
-                             f"(valid ids 0..{self.num_layers - 1})")
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = checked_layer_ids(layer_ids, self.num_layers)
         self._text_config = text_config
         self.register_buffer("_embed", embed_weight.detach(), persistent=False)
         tied = lm_head_weight is embed_weight
@@ -57,23 +55,12 @@ class OfflineTarget(nn.Module):
         return self._text_config
 
     @property
-    def hidden_size(self) -> int:
-        return self._text_config.hidden_size
-
-    @property
     def embed_weight(self) -> torch.Tensor:
         return self._embed
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self._head
-
-    @property
-    def vocab_size(self) -> int:
-        return self._embed.shape[0]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self._embed)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("OfflineTarget has no trunk: training from offline features takes the target's features "

@@ -68,10 +68,20 @@ def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterato
         captured.remove()
 
 
+def checked_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """`layer_ids` as a list, after refusing an empty list or an id outside the target's `num_layers` layers."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad or not layer_ids:
+        raise ValueError(f"target_layer_ids {list(layer_ids)} out of range: the target has {num_layers} layers "
+                         f"(valid ids 0..{num_layers - 1})")
+    return list(layer_ids)
+
+
 class SharedHead:
-    """What a draft reads off its target's HF causal LM (`self.model`): the text config, the frozen
-    embedding and the LM head. Shared by `FrozenTarget` and the tensor-parallel target (whose embedding
-    and head are whole on every rank)."""
+    """What a draft reads off its target: the text config, the frozen embedding and the LM head, by default
+    off the target's HF causal LM (`self.model`). Shared by `FrozenTarget`, the tensor-parallel targets
+    (whose embedding and head are whole on every rank) and `OfflineTarget` (which has no model and
+    overrides the three sources)."""
 
     model: nn.Module
 
@@ -120,13 +130,7 @@ class FrozenTarget(SharedHead, nn.Module):
         model.requires_grad_(False)
         self.model = model
         self.num_layers = self.text_config.num_hidden_layers
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad or not layer_ids:
-            raise ValueError(
-                f"target_layer_ids {layer_ids} out of range: the target has {self.num_layers} layers "
-                f"(valid ids 0..{self.num_layers - 1})"
-            )
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = checked_layer_ids(layer_ids, self.num_layers)
         self._trunk = _truncated_decoder(model.get_decoder(), max(self.layer_ids) + 1)
         self._full: nn.Module | None = None  # all layers, built on first use of features_and_greedy
         # The full decoder shares the trunk's layer modules, so these hooks fire in both.

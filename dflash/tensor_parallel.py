@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.modeling import text_config_of
-from dflash.target import CAUSAL_WITHOUT_MASK, SharedHead, greedy_labels
+from dflash.target import CAUSAL_WITHOUT_MASK, SharedHead, checked_layer_ids, greedy_labels
 from dflash.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
 # Decoders whose forward is embed -> rotary -> [norm, attention, residual, norm, MLP, residual] * L
@@ -251,10 +251,7 @@ class TensorParallelTarget(SharedHead, nn.Module):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown tensor-parallel schedule {schedule!r}; choose one of {SCHEDULES}")
         self.num_layers = text_config_of(model.config).num_hidden_layers
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"target_layer_ids {layer_ids} out of range: the target has {self.num_layers} layers "
-                             f"(valid ids 0..{self.num_layers - 1})")
+        self.layer_ids = checked_layer_ids(layer_ids, self.num_layers)
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("targets whose LM head has a bias are not supported (the draft reuses the head's weight)")
         model.eval()
@@ -264,7 +261,6 @@ class TensorParallelTarget(SharedHead, nn.Module):
         for module in (model, model.get_decoder()):  # their HF forwards would skip the all-reduces
             module.register_forward_pre_hook(_refuse_sharded_forward)
         self.model = model
-        self.layer_ids = list(layer_ids)
         self.schedule = schedule
 
     @classmethod

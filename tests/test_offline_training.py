@@ -221,3 +221,16 @@ def test_dry_run_says_the_trunk_is_not_loaded(feature_dir, tiny_target_dir, conv
 def test_the_transformers_trainer_path_refuses_features(tmp_path):
     with pytest.raises(ValueError, match="not by the transformers.Trainer path: set data.features=null"):
         DFlashTrainingModule.from_config(tiny_config(data__features=str(tmp_path)), make_tiny_target(), None)
+
+
+def test_the_offline_target_shares_the_head_rule_and_the_layer_rule():
+    """`OfflineTarget` reads like the live target (`SharedHead`): the same embedding, head, sizes and token
+    embeddings from the two weight tensors alone, and layer ids outside the target refused the same way."""
+    model = make_tiny_target()
+    live, offline = FrozenTarget(model, [1, 2]), OfflineTarget.from_model(model, [1, 2])
+    ids = torch.tensor([[3, 5, 7]])
+    assert offline.hidden_size == live.hidden_size and offline.vocab_size == live.vocab_size
+    assert torch.equal(offline.embed(ids), live.embed(ids)) and torch.equal(offline.lm_head_weight, live.lm_head_weight)
+    for target in (FrozenTarget, OfflineTarget.from_model):
+        with pytest.raises(ValueError, match=r"target_layer_ids \[1, 99\] out of range: the target has"):
+            target(model, [1, 99])
