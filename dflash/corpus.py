@@ -92,12 +92,18 @@ def _conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], int]:
     return conversations[: settings.limit] if settings.limit is not None else conversations, len(conversations)
 
 
+def split_conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, int]:
+    """(training, held-out conversations, conversations used, conversations in the source): the source
+    limited to `data.limit`, then `split_held_out`. The one place a run's split is made from its settings."""
+    conversations, available = _conversations(settings)
+    train, held = split_held_out(conversations, settings.eval_size)
+    return train, held, len(conversations), available
+
+
 def held_out_conversations(split: dict[str, Any]) -> list[dict[str, Any]]:
     """The held-out conversations of a recorded split (`DataSettings.held_out_split`), in the order a run's
     speculative evaluation takes its prompts from them (the first `spec_eval_prompts`)."""
-    settings = DataSettings(**split)
-    conversations, _ = _conversations(settings)
-    return split_held_out(conversations, settings.eval_size)[1]
+    return split_conversations(DataSettings(**split))[1]
 
 
 def _regenerate_turns(settings: DataSettings, part: str) -> int:
@@ -148,8 +154,7 @@ def regenerate_source(config: Any) -> Any:
     model, tokenizer = load_target(config.target, resolve_dtype(config.dtype, device))
     model.to(device)
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
-    conversations, _ = _conversations(settings)
-    train, held = split_held_out(conversations, settings.eval_size)
+    train, held, _, _ = split_conversations(settings)
     return _regenerate_part(_training_rows(train, held, settings), settings, root, model, tokenizer, config.target,
                             "train")
 
@@ -193,8 +198,7 @@ def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int) -> 
 def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
     """Train and held-out datasets for `settings` (both cached on disk between runs)."""
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
-    conversations, total = _conversations(settings)
-    train, held = split_held_out(conversations, settings.eval_size)
+    train, held, used, total = split_conversations(settings)
     paths: dict[str, Path] = {}
     dropped: dict[str, int] = {}
     for name, rows in {"train": train, "eval": held}.items():
@@ -212,7 +216,7 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     description = {
         "source": settings.source,
         "conversations_available": total,
-        "conversations_used": len(conversations),
+        "conversations_used": used,
         "train_conversations": len(train),
         "held_out_conversations": len(held),
         "regenerated": settings.regenerate,

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.corpus import held_out_conversations, split_held_out
-from dflash.embedded import chitchat_conversations
+from dflash.config import DataSettings
+from dflash.corpus import held_out_conversations
 from dflash.export import check_compatible, load_exported, trained_held_out_split, trained_target
 from dflash.regenerate import prompt_turns, stop_token_ids
 from dflash.runtime import load_target, resolve_device, resolve_dtype
@@ -122,7 +122,7 @@ def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int =
             raise ValueError(f"the draft's held-out prompts come from data.source={split['source']!r}, not "
                              f"readable here ({e}); pass --prompts chitchat or --prompts FILE") from e
     if prompts in ("auto", "chitchat"):
-        return split_held_out(chitchat_conversations(), held_out_size)[1]
+        return held_out_conversations(DataSettings(source="chitchat", eval_size=held_out_size).held_out_split())
     return load_conversations(prompts, require_assistant=False)[0]
 
 

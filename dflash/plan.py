@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.corpus import _conversations, _regenerated_file, _training_rows, split_held_out
+from dflash.corpus import _regenerated_file, _training_rows, split_conversations
 from dflash.embedded import cache_root, embedded_target_dir
 from dflash.factory import draft_config_for, draft_model_for_config
 from dflash.losses import decay_gamma
@@ -79,8 +79,7 @@ def phases(config: TrainConfig) -> dict[str, Any]:
         out["phase_training"] = training
         out["phases"] = f"data.source {d.source!r} is not a local file: its sizes are counted once the run loads it"
         return out
-    conversations, available = _conversations(d)
-    train, held = split_held_out(conversations, d.eval_size)
+    train, held, _, available = split_conversations(d)
     prompts = _training_rows(train, held, d) if d.regenerate else train
     if d.features:  # the rows are those the features were written from (`dflash features` regenerated them)
         out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
