@@ -182,6 +182,14 @@ def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, d
     weights) and the forward runs under autocast below fp32."""
     draft = draft if draft is not None else build_draft(config, target_model, tokenizer)
     target = _frozen_target(config, target_model, draft.config.target_layer_ids).to(device, dtype)
+    return objective_for(config, target, draft, device=device, dtype=dtype)
+
+
+def objective_for(config: TrainConfig, target: nn.Module, draft: nn.Module, *, device: torch.device,
+                  dtype: torch.dtype) -> DFlashObjective:
+    """The objective of `config.draft.kind` (DFlash or Domino, with the config's loss settings) around an
+    already frozen target (`FrozenTarget` or a stand-in with its interface) and `draft` (a
+    `DominoDraftModel` for `kind: domino`), the draft moved to `device` in fp32."""
     ds = config.draft
     common = dict(num_anchors=ds.num_anchors, attention=resolve_attention(ds.attention, device), dtype=dtype,
                   gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,

@@ -11,8 +11,13 @@ Configurations (all on random data):
              `--kind domino` for a Domino draft. MFU counts the target's forward too; samples/s
              is per GPU, with and without the target. `--sync-check` runs extra steps under
              torch.cuda.set_sync_debug_mode("error").
-  tiny       a CPU smoke configuration (CI); `--kind` and `--sync-check` work on it too (a real tiny
-             target when `--real-target`).
+  tiny       a CPU smoke configuration (CI); `--sync-check` works on it too (a real tiny target when
+             `--real-target`).
+
+`--kind domino` builds a Domino draft (the backbone above plus the published Qwen3-8B Domino head:
+GRU 1024, emb_dim 256, pure_draft_prefix_len 1, shift_label true unless `--no-shift-label`; GRU 32 and
+emb_dim 16 on `tiny`) in every configuration. A flag that does not apply to the configuration or the
+launch is an error (`check_flags`), never silently ignored.
 
 MFU is reported against the bf16 matmul peak measured in the same run (an 8192^3 product), two ways:
   specforge  3 x forward FLOPs with dense attention and the LM head over every slot (their counting)
@@ -38,6 +43,7 @@ the total tokens/s over ranks) and the one summary line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -54,11 +60,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
+from dflash.config import DISTRIBUTED_MODES, DominoSettings, TrainConfig  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
-from dflash.factory import build_objective  # noqa: E402
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel  # noqa: E402
-from dflash.objective import DFlashObjective  # noqa: E402
+from dflash.domino import DominoHeadConfig  # noqa: E402
+from dflash.factory import build_objective, draft_model_for_config, objective_for  # noqa: E402
+from dflash.modeling import DFlashDraftConfig  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
@@ -78,12 +84,14 @@ class Shape:
     seq: int
     anchors: int
     block: int
+    gru_hidden: int = 1024  # Domino head (`--kind domino`): the published Qwen3-8B config's sizes
+    emb_dim: int = 256
 
 
 SHAPES = {
     "specforge": Shape(4096, 5, 12288, 32, 8, 128, 151_936, 5, 36, 2, 768, 256, 16),
     "smollm2": Shape(576, 2, 1536, 9, 3, 64, 49_152, 2, 30, 32, 512, 64, 16),
-    "tiny": Shape(64, 2, 128, 4, 2, 16, 512, 2, 4, 2, 64, 8, 4),
+    "tiny": Shape(64, 2, 128, 4, 2, 16, 512, 2, 4, 2, 64, 8, 4, gru_hidden=32, emb_dim=16),
     "qwen3-8b": Shape(4096, 5, 12288, 32, 8, 128, 151_936, 5, 36, 2, 768, 256, 16),
 }
 
@@ -136,7 +144,7 @@ def hf_target(s: Shape, device: torch.device, dtype: torch.dtype) -> Qwen3ForCau
 def build_end_to_end(s: Shape, cfg: TrainConfig, args: argparse.Namespace, device: torch.device,
                      dtype: torch.dtype) -> DFlashTrainer:
     """The draft (`--kind`) through the trainer's own factory, against a real target forward."""
-    cfg.draft.kind, cfg.draft.num_layers, cfg.draft.mask_token_id = args.kind, s.layers, s.vocab - 2
+    cfg.draft.num_layers, cfg.draft.mask_token_id = s.layers, s.vocab - 2
     cfg.draft.num_attention_heads, cfg.draft.num_key_value_heads, cfg.draft.head_dim = s.heads, s.kv_heads, s.head_dim
     cfg.draft.intermediate_size, cfg.draft.anchor_widths = s.ffn, 1
     objective = build_objective(cfg, hf_target(s, device, dtype), None, device=device, dtype=dtype)
@@ -159,8 +167,10 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
     cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
                       batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
                       cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed)
-    cfg.draft.num_anchors, cfg.draft.block_size = s.anchors, s.block
+    cfg.draft.kind, cfg.draft.num_anchors, cfg.draft.block_size = args.kind, s.anchors, s.block
     cfg.draft.attention = args.attention
+    cfg.domino = DominoSettings(emb_dim=s.emb_dim, gru_hidden_dim=s.gru_hidden, pure_draft_prefix_len=1,
+                                shift_label=args.shift_label)
     if name == "qwen3-8b" or args.real_target:
         return build_end_to_end(s, cfg, args, device, dtype)
     if name == "smollm2":
@@ -173,10 +183,24 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
                                   target_layer_ids=layer_ids, mask_token_id=s.vocab - 1, num_hidden_layers=s.layers,
                                   num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
                                   intermediate_size=s.ffn, block_size=s.block)
-    attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-    objective = DFlashObjective(target, DFlashDraftModel(draft_cfg).to(device), num_anchors=s.anchors,
-                                attention=attention, dtype=dtype, ce_chunk_size=args.ce_chunk)
+    if args.kind == "domino":
+        draft_cfg = dataclasses.replace(draft_cfg, extra=DominoHeadConfig.from_settings(cfg.domino).to_extra())
+    objective = objective_for(cfg, target, draft_model_for_config(draft_cfg), device=device, dtype=dtype)
     return DFlashTrainer(cfg, objective=objective)
+
+
+def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """Refuse a flag that would be silently ignored by this configuration or launch (exit 2, naming it)."""
+    if args.real_target and args.config in ("qwen3-8b", "smollm2"):
+        p.error(f"--real-target does not apply to --config {args.config}: it always runs its own real target "
+                "(--real-target swaps the random features of specforge / tiny for a Qwen3 target of their shape)")
+    if not args.shift_label and args.kind != "domino":
+        p.error("--no-shift-label applies to Domino drafts only: add --kind domino")
+    if args.data_latency_ms is not None and not args.latency:
+        p.error("--data-latency-ms applies to the latency measurement only: add --latency")
+    if args.distributed is not None and world == 1:
+        p.error("--distributed applies under several processes only (torchrun / accelerate launch "
+                "--num_processes N): drop it for a single process")
 
 
 def random_batch(s: Shape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
@@ -417,10 +441,11 @@ def main() -> int:
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
     p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
     p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
-                   help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
-    p.add_argument("--kind", choices=["dflash", "domino"], default="dflash",
-                   help="draft kind (qwen3-8b and --real-target build through the trainer's factory)")
+    p.add_argument("--distributed", choices=DISTRIBUTED_MODES,
+                   help="under torchrun / accelerate launch: replicate (ddp, the default) or shard (fsdp2) the draft")
+    p.add_argument("--kind", choices=["dflash", "domino"], default="dflash", help="draft kind, in every configuration")
+    p.add_argument("--no-shift-label", dest="shift_label", action="store_false",
+                   help="Domino: DFlash's same-position label layout instead of the published shift_label true")
     p.add_argument("--real-target", action="store_true", help="a random-weight Qwen3 target of the config's shape")
     p.add_argument("--sync-check", action="store_true",
                    help="also run steps under torch.cuda.set_sync_debug_mode('error') (GPU) and count syncs")
@@ -430,6 +455,8 @@ def main() -> int:
     t0 = time.perf_counter()
 
     rank, world = init_distributed()  # (0, 1) in a single process
+    check_flags(p, args, world)
+    args.distributed = args.distributed or "ddp"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if world > 1 and device.type == "cuda":  # one GPU per rank
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -455,7 +482,8 @@ def main() -> int:
     peak = matmul_peak(device)
     f = flops(s, density)
     result = {
-        "config": args.config, "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
+        "config": args.config, "kind": args.kind, "draft": type(trainer.draft).__name__,
+        "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
         "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
         "cuda_graph": args.cuda_graph, "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
@@ -466,7 +494,7 @@ def main() -> int:
     result["samples_per_s"] = s.batch / ms * 1e3
     if args.config == "qwen3-8b" or args.real_target:
         target_flops = target_forward_flops(trainer, s)
-        result.update(kind=args.kind, target_tflop_per_step=target_flops / 1e12,
+        result.update(target_tflop_per_step=target_flops / 1e12,
                       tflops_end_to_end=(f["needed"] + target_flops) / ms / 1e9)
         result["mfu_end_to_end"] = result["tflops_end_to_end"] * 1e12 / peak if not math.isnan(peak) else float("nan")
     if args.sync_check:
@@ -505,7 +533,7 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if args.profile:
         print_profile(result["profile"])
-    line = (f"bench {args.config} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
+    line = (f"bench {args.config} {args.kind} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
             f"{result['tflops_specforge']:.0f} TFLOP/s (specforge count, MFU {result['mfu_specforge']:.1%}), "
             f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB, "
             f"{result['samples_per_s']:.2f} samples/s")

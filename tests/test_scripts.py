@@ -48,6 +48,31 @@ def test_bench_step_end_to_end_tiny(tmp_path, kind):
     assert result["samples_per_s"] > 0 and "end to end" in stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("shift_label", [True, False])
+def test_bench_step_random_features_builds_the_kind_asked_for(tmp_path, shift_label):
+    """`--kind domino` without a real target (the specforge / smollm2 / tiny path) builds and times a Domino
+    draft: it was once ignored there, and the run reported a DFlash draft's figures."""
+    flags = [] if shift_label else ["--no-shift-label"]
+    stdout = run("scripts/bench_step.py", "--config", "tiny", "--kind", "domino", *flags, "--steps", "2",
+                 "--warmup", "1", "--sync-check", "--json", str(tmp_path / "d.json"))
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["kind"] == "domino" and result["draft"] == "DominoDraftModel" and result["syncs"] == 0
+    assert stdout.strip().splitlines()[-1].startswith("bench tiny domino")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config", "smollm2", "--real-target"], "--real-target does not apply to --config smollm2"),
+    (["--config", "qwen3-8b", "--real-target"], "--real-target does not apply to --config qwen3-8b"),
+    (["--no-shift-label"], "--no-shift-label applies to Domino drafts only"),
+    (["--data-latency-ms", "3"], "--data-latency-ms applies to the latency measurement only"),
+    (["--distributed", "fsdp2"], "--distributed applies under several processes only"),
+])
+def test_bench_step_refuses_a_flag_that_does_not_apply(flags, message):
+    out = subprocess.run([sys.executable, "scripts/bench_step.py", "--config", "tiny", *flags], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_bench_step_two_processes(tmp_path, mode):
     """`accelerate launch --num_processes 2` (CPU, gloo): rank 0 writes the JSON and the one summary line,
@@ -123,9 +148,11 @@ def test_flop_counting_reproduces_specforge_figure():
     assert f["needed"] < f["specforge"]
 
 
-def test_check_sync_free_cpu():
-    stdout = run("scripts/check_sync_free.py", "--steps", "3")
-    assert stdout.strip().splitlines()[-1].endswith("PASS")
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_check_sync_free_cpu(kind):
+    stdout = run("scripts/check_sync_free.py", "--steps", "3", "--kind", kind)
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith(f"check_sync_free ({kind}): 0 syncs") and last.endswith("PASS")
 
 
 def test_check_sync_free_two_processes():
