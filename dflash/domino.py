@@ -72,7 +72,7 @@ from dflash.losses import (
     domino_linear_cross_entropy,
     linear_argmax,
 )
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, head_logits
 from dflash.objective import BlockOutput, DFlashObjective
 from dflash.target import FrozenTarget
 
@@ -258,7 +258,8 @@ class DominoObjective(DFlashObjective):
         valid = targets.valid[..., 1:]
         ce = domino_linear_cross_entropy(flat, self.target.lm_head_weight, correction, draft.correction_weight,
                                          labels[..., 1:].reshape(bsz * n, num),
-                                         targets.weights[..., 1:].reshape(bsz * n, num), lam, s, self.ce_chunk_size)
+                                         targets.weights[..., 1:].reshape(bsz * n, num), lam, s, self.ce_chunk_size,
+                                         compiled=self.compile_loss)
         base_correct = ce.base_correct.view(bsz, n, num)
         extras = {
             # counted with the same micro-batches as loss_sum / weight_sum (accumulate drops non-finite ones)
@@ -286,7 +287,7 @@ def domino_propose(draft: DominoDraftModel, hidden: torch.Tensor, first_token: t
     g_j is the GRU state after the anchor token and drafts 0..j-1: training's alignment (module doc).
     """
     proposals = draft.proposal_states(hidden)  # [B, P, H]
-    base = (proposals.to(head_weight.dtype) @ head_weight.t()).float()  # [B, P, V]
+    base = head_logits(proposals, head_weight).float()  # [B, P, V]
     token, state, drafts = first_token, None, []
     for j in range(proposals.shape[1]):
         out, state = draft.prefix_states(F.embedding(token, embed_weight), state)  # g_j: consumed t_j

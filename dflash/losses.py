@@ -228,21 +228,61 @@ class DominoCrossEntropy:
     base_correct: torch.Tensor  # [M, P] bool, argmax of the base logits == label
 
 
+def _domino_ce_chunk(base: torch.Tensor, delta: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                     lam: torch.Tensor, suffix_start: int, need_grad: bool):
+    """One chunk of Domino's mixed CE, math in fp32 over logits of any float dtype.
+
+    Args:
+        base: `[c, P, V]` base logits (consumed: eagerly in fp32 its buffer holds a softmax afterwards);
+        delta: `[c, P - s, V]` correction logits of the proposals from `suffix_start` s on;
+        labels: `[c, P]` long; weights: `[c, P]` fp32; lam: `[]` the base-loss weight.
+    Returns:
+        (weighted CE of the final logits `[c, P]`, of the base logits `[c, P]`, final argmax == label `[c, P]`,
+        base argmax == label `[c, P]`, d loss / d base `[c, P, V]` and d loss / d delta `[c, P - s, V]` in the
+        logits' dtypes, or None, None), where loss = (1 - lam) * CE(final) + lam * CE(base) and
+        final = base + delta on the corrected proposals. Compiled (`_compiled_domino_ce_chunk`), the casts,
+        both log-sum-exps and argmaxes and both gradients fuse into passes over the low-precision logits.
+    """
+    s = suffix_start
+    b = base.float()
+    final = torch.cat([b[:, :s], b[:, s:] + delta.float()], dim=1)
+    f_rows, f_lse, f_hit = _ce_stats(final, labels, weights)
+    b_rows, b_lse, b_hit = _ce_stats(b, labels, weights)
+    if not need_grad:
+        return f_rows, b_rows, f_hit, b_hit, None, None
+    d_final = _ce_grad_(final, f_lse, labels, weights * (1 - lam))
+    # The correction logits enter the final logits only. A copy: d_final is added to in place next.
+    d_delta = d_final[:, s:].to(delta.dtype, copy=True)
+    # The base logits feed both terms: d loss / d base = d final + lam * d CE(base).
+    d_base = d_final.add_(_ce_grad_(b, b_lse, labels, weights * lam))
+    return f_rows, b_rows, f_hit, b_hit, d_base.to(base.dtype), d_delta
+
+
+@functools.cache
+def _compiled_domino_ce_chunk():
+    return torch.compile(_domino_ce_chunk, dynamic=False)  # built on first use, as `_compiled_ce_chunk`
+
+
 class _DominoLinearCrossEntropy(torch.autograd.Function):
     """Mixed Domino CE of base logits `h W^T` and final logits `h W^T + u W2^T` (suffix proposals).
 
     Chunked over blocks so no `[M, P, V]` tensor exists at once. As in `_LinearCrossEntropy`, the
     gradients are formed chunk by chunk in the forward pass (one pass over the vocabulary): the mix
-    weight lam is known then, so one `[M, P, H]` buffer holds d loss / d h for both terms. W2 is
-    trainable: its gradient `sum_chunks dZ^T u` is accumulated in fp32.
+    weight lam is known then, so one `[M * P, H]` buffer holds d loss / d h for both terms. Every
+    vocabulary-sized product is a plain 2-D GEMM in the head's (compute) dtype, W2 cast to it as
+    autocast casts a Linear's weight; W2's gradient is accumulated over chunks in fp32.
     """
 
     @staticmethod
     def forward(ctx, hidden, head, correction, corr_weight, labels, token_weights, lam, suffix_start, block_chunk,
-                needs):  # noqa: D401
+                needs, compiled):  # noqa: D401
         need_h, need_u, need_w2 = needs
-        s, device = suffix_start, hidden.device
+        need_any = need_h or need_u or need_w2
+        (m, p), s, device = labels.shape, suffix_start, hidden.device
+        q = p - s  # corrected proposals per block
         lam = lam.float()
+        chunk = _compiled_domino_ce_chunk() if compiled else _domino_ce_chunk
+        w2 = corr_weight.to(head.dtype)
         final_sum = torch.zeros((), dtype=torch.float32, device=device)
         base_sum = torch.zeros((), dtype=torch.float32, device=device)
         final_correct = torch.empty(labels.shape, dtype=torch.bool, device=device)
@@ -250,29 +290,27 @@ class _DominoLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_u = torch.empty_like(correction) if need_u else None
         grad_w2 = torch.zeros(corr_weight.shape, dtype=torch.float32, device=device) if need_w2 else None
-        for start in range(0, hidden.shape[0], block_chunk):
-            end = min(start + block_chunk, hidden.shape[0])
-            u, y, w = correction[start:end], labels[start:end], token_weights[start:end]
-            base = (hidden[start:end].to(head.dtype) @ head.t()).float()  # [c, P, V]
-            delta = (u.to(corr_weight.dtype) @ corr_weight.t()).float()  # [c, P - s, V]
-            final = torch.cat([base[:, :s], base[:, s:] + delta], dim=1)
-            del delta
-            f_sum, f_lse, f_hit = _ce_stats(final, y, w)
-            b_sum, b_lse, b_hit = _ce_stats(base, y, w)
-            final_sum += f_sum.sum()
-            base_sum += b_sum.sum()
+        for start in range(0, m, block_chunk):
+            end = min(start + block_chunk, m)
+            rows, corrected = slice(start * p, end * p), slice(start * q, end * q)  # this chunk's rows
+            u = correction[corrected].to(head.dtype)  # [c * q, E]
+            base = (hidden[rows].to(head.dtype) @ head.t()).view(end - start, p, -1)  # [c, P, V]
+            delta = (u @ w2.t()).view(end - start, q, -1)  # [c, q, V]
+            f_rows, b_rows, f_hit, b_hit, d_base, d_delta = chunk(base, delta, labels[start:end],
+                                                                 token_weights[start:end], lam, s, need_any)
+            del base, delta
+            final_sum += f_rows.sum()
+            base_sum += b_rows.sum()
             final_correct[start:end], base_correct[start:end] = f_hit, b_hit
-            if not (need_h or need_u or need_w2):
+            if not need_any:
                 continue
-            d_final = _ce_grad_(final, f_lse, y, w * (1 - lam))  # d loss / d final logits
-            d_delta = d_final[:, s:]  # the correction logits enter the final logits only
+            d_delta = d_delta.flatten(0, 1)  # [c * q, V]
             if need_u:
-                grad_u[start:end] = (d_delta.to(corr_weight.dtype) @ corr_weight).to(correction.dtype)
+                grad_u[corrected] = (d_delta @ w2).to(correction.dtype)
             if need_w2:
-                grad_w2 += d_delta.flatten(0, 1).t() @ u.flatten(0, 1).to(d_delta.dtype)
-            if need_h:  # base logits feed both terms: d loss / d base = d_final + lam * d CE(base)
-                d_base = d_final.add_(_ce_grad_(base, b_lse, y, w * lam))
-                grad_h[start:end] = (d_base.to(head.dtype) @ head).to(hidden.dtype)
+                grad_w2 += (d_delta.t() @ u).float()
+            if need_h:
+                grad_h[rows] = (d_base.flatten(0, 1) @ head).to(hidden.dtype)
         ctx.save_for_backward(grad_h, grad_u, grad_w2)
         ctx.w2_dtype = corr_weight.dtype
         ctx.mark_non_differentiable(final_sum, base_sum, final_correct, base_correct)
@@ -287,7 +325,7 @@ class _DominoLinearCrossEntropy(torch.autograd.Function):
             None,
             None if grad_u is None else grad_u * g.to(grad_u.dtype),
             None if grad_w2 is None else (grad_w2 * g).to(ctx.w2_dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -301,6 +339,7 @@ def domino_linear_cross_entropy(
     lam: torch.Tensor,
     suffix_start: int,
     chunk_size: int = 4096,
+    compiled: bool = False,
 ) -> DominoCrossEntropy:
     """Domino's loss `(1 - lam) * CE(final) + lam * CE(base)` through the frozen LM head, chunked.
 
@@ -309,13 +348,15 @@ def domino_linear_cross_entropy(
                    the first `suffix_start` keep their base logits)
 
     Args:
-        hidden: `[M, P]` blocks of `[H]` backbone states, one per scored proposal.
-        head_weight: `[V, H]` frozen LM head (no gradient).
+        hidden: `[M, P, H]` backbone states, one per scored proposal (any strides: a view of the draft's
+            `[M, bs, H]` states is copied once into `[M * P, H]` rows, so every product is a 2-D GEMM).
+        head_weight: `[V, H]` frozen LM head (no gradient); its dtype is the vocabulary GEMMs' dtype.
         correction: `[M, P - suffix_start, E]` correction features (after the SiLU).
         correction_weight: `[V, E]` the trainable low-rank output matrix (Domino's `embed_proj.2`).
         labels: `[M, P]` long; token_weights: `[M, P]` float (0 drops a proposal).
         lam: `[]` device tensor, the base-loss weight (read on the device, never on the host).
-        suffix_start: proposals before it get no correction; chunk_size: tokens per vocabulary pass.
+        suffix_start: proposals before it get no correction; chunk_size: tokens per vocabulary pass;
+        compiled: run each chunk's CE math through torch.compile (`compile: true`; `_domino_ce_chunk`).
     Returns:
         `DominoCrossEntropy`; `loss_sum` is differentiable w.r.t. hidden, correction and
         correction_weight, the sums and correctness are detached.
@@ -329,8 +370,12 @@ def domino_linear_cross_entropy(
     track = torch.is_grad_enabled()
     needs = (track and hidden.requires_grad, track and correction.requires_grad,
              track and correction_weight.requires_grad)
-    out = _DominoLinearCrossEntropy.apply(hidden, head_weight.detach(), correction, correction_weight, labels,
-                                          token_weights.float(), lam, suffix_start, max(1, chunk_size // p), needs)
+    # Rows, not [M, P, H] views: a strided 3-D operand would make `@` a batched GEMM that reads the whole
+    # head once per block (the 155 ms kernel of docs/benchmarks.md, 2026-12-03).
+    out = _DominoLinearCrossEntropy.apply(hidden.reshape(m * p, hidden.shape[-1]), head_weight.detach(),
+                                          correction.reshape(m * (p - suffix_start), correction.shape[-1]),
+                                          correction_weight, labels, token_weights.float(), lam, suffix_start,
+                                          max(1, chunk_size // p), needs, compiled)
     return DominoCrossEntropy(*out)
 
 

@@ -53,7 +53,7 @@ from torch import nn
 
 from dflash.console import progress
 from dflash.domino import DominoDraftModel, domino_propose
-from dflash.modeling import DFlashDraftModel
+from dflash.modeling import DFlashDraftModel, head_logits
 from dflash.target import capture_layer_outputs
 
 
@@ -192,7 +192,7 @@ def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, conte
     head = target_model.get_output_embeddings().weight  # [V, H]
     if isinstance(draft, DominoDraftModel):
         return domino_propose(draft, hidden, first_token, embed, head)
-    return (hidden[:, 1:].to(head.dtype) @ head.t()).argmax(-1)
+    return head_logits(hidden[:, 1:], head).argmax(-1)
 
 
 # ---- generation ----------------------------------------------------------------------------------

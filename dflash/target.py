@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dflash.modeling import text_config_of
+from dflash.modeling import head_logits, text_config_of
 
 
 class LayerCapture:
@@ -177,7 +177,7 @@ def greedy_labels(input_ids: torch.Tensor, last_hidden: torch.Tensor, lm_head_we
     greedy[:, :1] = input_ids[:, :1]
     for start in range(0, input_ids.shape[1] - 1, chunk):
         end = min(start + chunk, input_ids.shape[1] - 1)
-        greedy[:, start + 1 : end + 1] = (last_hidden[:, start:end] @ lm_head_weight.t()).argmax(dim=-1)
+        greedy[:, start + 1 : end + 1] = head_logits(last_hidden[:, start:end], lm_head_weight).argmax(dim=-1)
     return greedy
 
 
