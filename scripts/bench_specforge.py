@@ -53,7 +53,6 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_step import SHAPES, Shape, flops, matmul_peak, time_steps  # noqa: E402
 
 CONFIGS = ("specforge", "tiny")
-DOMINO_HEAD = {"specforge": (256, 1024), "tiny": (16, 32)}  # (emb_dim, gru_hidden_dim); specforge's as in their config
 LAMBDA_BASE = 0.5
 LOSS_DECAY_GAMMA = 7.0
 LR = 1e-4
@@ -74,7 +73,7 @@ def load_specforge(path: Path) -> str:
     return (stamp.read_text().strip() or "snapshot") if stamp.is_file() else "snapshot"
 
 
-def draft_config(path: Path, kind: str, name: str, s: Shape, attention: str) -> tuple[Qwen3Config, list[str]]:
+def draft_config(path: Path, kind: str, s: Shape, attention: str) -> tuple[Qwen3Config, list[str]]:
     """SpecForge's `configs/qwen3-8b-<kind>.json` as a Qwen3Config, resized to `s` (a no-op for the specforge
     shape but for the target layer ids, kept), and the keys whose values the resizing changed."""
     file = path / "configs" / f"qwen3-8b-{kind}.json"
@@ -95,7 +94,7 @@ def draft_config(path: Path, kind: str, name: str, s: Shape, attention: str) -> 
         if raw.get(key) is not None and raw[key] >= s.vocab:
             dims[key] = None
     if kind == "domino":
-        head["emb_dim"], head["gru_hidden_dim"] = DOMINO_HEAD[name]
+        head["emb_dim"], head["gru_hidden_dim"] = s.emb_dim, s.gru_hidden  # bench_step's Domino sizes
         dims["emb_dim"] = head["emb_dim"]
     dims["dflash_config"] = head
     changed = sorted(k for k, v in dims.items() if raw.get(k) != v)
@@ -223,7 +222,7 @@ def main() -> int:
     backend = {"flex": "flex_attention", "sdpa": "sdpa"}[attention]
     s = replace(SHAPES[args.config], **{f: getattr(args, f) for f in ("batch", "seq", "anchors") if getattr(args, f)})
 
-    config, changed = draft_config(args.specforge, args.kind, args.config, s, backend)
+    config, changed = draft_config(args.specforge, args.kind, s, backend)
     model = build_model(config, args.kind, s, device, dtype, backend)
     step = SpecForgeStep(model, args.kind, make_optimizer(model, device, args.optimizer))
     batch = random_batch(s, device, dtype)

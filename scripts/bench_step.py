@@ -198,6 +198,8 @@ def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace, world: int
         p.error("--no-shift-label applies to Domino drafts only: add --kind domino")
     if args.data_latency_ms is not None and not args.latency:
         p.error("--data-latency-ms applies to the latency measurement only: add --latency")
+    if args.compile_loss and args.compile:
+        p.error("--compile-loss is part of --compile: pass one of them")
     if args.distributed is not None and world == 1:
         p.error("--distributed applies under several processes only (torchrun / accelerate launch "
                 "--num_processes N): drop it for a single process")
@@ -436,6 +438,8 @@ def main() -> int:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex"])
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on GPU (SpecForge's policy)")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile-loss", action="store_true",
+                   help="compile the CE chunks alone (the draft eager), as a config without compile: true could")
     p.add_argument("--cuda-graph", action="store_true")
     p.add_argument("--ce-chunk", type=int, default=2048)
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
@@ -467,6 +471,7 @@ def main() -> int:
         if getattr(args, field):
             setattr(s, field, getattr(args, field))
     trainer = build(args.config, s, args, device)
+    trainer.objective.compile_loss = args.compile or args.compile_loss
     batch = random_batch(s, device, rank)  # each rank its own rows
     density = mask_density(trainer, batch, device)
     progress("built", t0)
@@ -484,7 +489,7 @@ def main() -> int:
     result = {
         "config": args.config, "kind": args.kind, "draft": type(trainer.draft).__name__,
         "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
-        "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
+        "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile, "compile_loss": args.compile_loss,
         "cuda_graph": args.cuda_graph, "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
         "matmul_peak_tflops": peak / 1e12, "peak_mem_gib": peak_mem,
