@@ -489,7 +489,8 @@ def main() -> int:
     result = {
         "config": args.config, "kind": args.kind, "draft": type(trainer.draft).__name__,
         "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
-        "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile, "compile_loss": args.compile_loss,
+        "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
+        "compile_loss": args.compile_loss,
         "cuda_graph": args.cuda_graph, "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
         "matmul_peak_tflops": peak / 1e12, "peak_mem_gib": peak_mem,
