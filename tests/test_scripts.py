@@ -52,11 +52,12 @@ def test_bench_step_end_to_end_tiny(tmp_path, kind):
 def test_bench_step_random_features_builds_the_kind_asked_for(tmp_path, shift_label):
     """`--kind domino` without a real target (the specforge / smollm2 / tiny path) builds and times a Domino
     draft: it was once ignored there, and the run reported a DFlash draft's figures."""
-    flags = [] if shift_label else ["--no-shift-label"]
+    flags = [] if shift_label else ["--no-shift-label", "--compile-loss"]  # and the compiled CE chunk once
     stdout = run("scripts/bench_step.py", "--config", "tiny", "--kind", "domino", *flags, "--steps", "2",
                  "--warmup", "1", "--sync-check", "--json", str(tmp_path / "d.json"))
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["kind"] == "domino" and result["draft"] == "DominoDraftModel" and result["syncs"] == 0
+    assert result["compile_loss"] is not shift_label
     assert stdout.strip().splitlines()[-1].startswith("bench tiny domino")
 
 
@@ -66,6 +67,7 @@ def test_bench_step_random_features_builds_the_kind_asked_for(tmp_path, shift_la
     (["--no-shift-label"], "--no-shift-label applies to Domino drafts only"),
     (["--data-latency-ms", "3"], "--data-latency-ms applies to the latency measurement only"),
     (["--distributed", "fsdp2"], "--distributed applies under several processes only"),
+    (["--compile", "--compile-loss"], "--compile-loss is part of --compile"),
 ])
 def test_bench_step_refuses_a_flag_that_does_not_apply(flags, message):
     out = subprocess.run([sys.executable, "scripts/bench_step.py", "--config", "tiny", *flags], cwd=ROOT,
