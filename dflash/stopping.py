@@ -107,17 +107,21 @@ class StopRequest:
         sync). Several: decided at log flushes only, by all ranks together (any rank's signal or clock
         stops every rank at the same step; the all-reduce joins the flush's own sync)."""
         late = time.monotonic() > self.deadline
+        requested = self.requested
         if self.world_size > 1:
             if not at_flush:
                 return False
-            flags = torch.tensor([float(self.requested), float(late)], device=self.device)
+            flags = torch.tensor([float(requested), float(late)], device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            # The decision is the reduced one only: a signal that lands on this rank after the reduction
+            # sets `self.requested` now, but every rank acts on it together at the next flush. Reading
+            # the flag again here made one rank stop alone and the others wait in a collective.
             requested, late = (bool(v) for v in flags.tolist())
             if requested and not self.requested:
                 self.requested, self.signal = True, "SIGTERM"  # another rank's signal
-        if late and not self.requested:
+        if late and not requested:
             log.info("time budget of %s minutes reached at step %d", self.budget_minutes, step)
-        return self.requested or late
+        return requested or late
 
     def next_batch(self, batches: Iterator[Any]) -> Any:
         """The next batch, or None when DataLoader workers died after a stop request (their deaths
