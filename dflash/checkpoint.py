@@ -7,7 +7,7 @@ Layout of a run folder:
         draft_config.json                DFlashDraftConfig
         trainer_state.pt                 optimizer, schedule, step, RNG, data position, metric window:
                                          tensors and plain values only (read with weights_only=True)
-        COMPLETE                         written last, before the rename: the step and each file's size
+        COMPLETE                         written last, before the rename: the step, each file's size and CRC-32
     RUN/checkpoints/latest               name of the newest complete checkpoint (replaced atomically)
 
 What no kill can break (tests/test_faults.py drills each step):
@@ -17,8 +17,10 @@ What no kill can break (tests/test_faults.py drills each step):
   is never taken for a checkpoint.
 - At the next start `prepare_run_dir` removes what an interrupted save or deletion left (logged), and
   puts back an old folder whose replacement never arrived.
-- `find_latest` returns the newest *intact* checkpoint (every file present, of the size COMPLETE
-  recorded, safetensors header and zip directory whole) and logs each damaged one it passes over.
+- `find_latest` returns the newest *intact* checkpoint (every file present, of the size and CRC-32
+  COMPLETE recorded, safetensors header and zip directory whole) and logs each damaged one it passes
+  over. The checksum catches what keeps a file's size (a flipped block on disk, a copy overwritten in
+  place): such a `trainer_state.pt` once loaded and the run exported NaN weights.
 - A failed write (disk full, read-only output) raises `CheckpointWriteError`: one line with the path and
   the cause; the temporary folder is removed and the earlier checkpoints are untouched.
 
@@ -38,6 +40,7 @@ import re
 import shutil
 import signal
 import zipfile
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -144,8 +147,9 @@ def save_checkpoint(
             _write(tmp / name, data)
             _fault("save-write")
         seq = 1 + max((_marker(p).get("seq", 0) for p in root.glob("step-*")), default=0)  # the newest save
-        _write(tmp / COMPLETE, json.dumps({"step": step, "seq": seq, "sizes": {n: len(d) for n, d in files.items()}})
-               .encode())
+        marker = {"step": step, "seq": seq, "sizes": {n: len(d) for n, d in files.items()},
+                  "crc32": {n: zlib.crc32(d) for n, d in files.items()}}  # about 6 GB/s: seconds for a 1B draft
+        _write(tmp / COMPLETE, json.dumps(marker).encode())
         _fsync_dir(tmp)
         _fault("save-complete")
         aside = _install(root, tmp, final)
@@ -285,8 +289,17 @@ def _zip_problem(path: Path) -> str | None:
     return None
 
 
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
 def damage(path: str | Path, files: tuple[str, ...] = FILES) -> str | None:
-    """Why checkpoint folder `path` cannot be used (None: intact). Reads sizes and headers only."""
+    """Why checkpoint folder `path` cannot be used (None: intact): sizes, headers, then each file's CRC-32
+    against COMPLETE's (markers written before checksums were recorded are checked by size alone)."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         return f"no {COMPLETE} marker (its save or deletion was interrupted)"
@@ -301,7 +314,14 @@ def damage(path: str | Path, files: tuple[str, ...] = FILES) -> str | None:
     problems = [_safetensors_problem(path / "draft.safetensors")]
     if "trainer_state.pt" in files:
         problems.append(_zip_problem(path / "trainer_state.pt"))
-    return next((p for p in problems if p), None)
+    problem = next((p for p in problems if p), None)
+    if problem:
+        return problem
+    crcs = _marker(path).get("crc32", {})
+    for name in files:
+        if crcs.get(name) is not None and crcs[name] != _crc32(path / name):
+            return f"{name} does not match the checksum recorded when it was saved (changed on disk since)"
+    return None
 
 
 def find_latest(run_dir: str | Path, files: tuple[str, ...] = FILES) -> Path | None:

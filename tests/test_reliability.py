@@ -254,19 +254,25 @@ def test_a_deletion_removes_the_complete_marker_first(tmp_path, monkeypatch):
     assert not half.exists() and find_latest(tmp_path).name == "step-00000003"
 
 
-@pytest.mark.parametrize("how", ["truncate-draft", "truncate-state", "missing-file", "broken-header"])
+@pytest.mark.parametrize("how", ["truncate-draft", "truncate-state", "missing-file", "broken-header",
+                                 "same-size-state", "same-size-draft"])
 def test_a_damaged_newest_checkpoint_falls_back_and_says_why(tmp_path, caplog, how):
     from dflash.checkpoint import CheckpointError, resolve_resume
 
     fresh_trainer(run_config(tmp_path, max_steps=4, save_interval=2)).fit()
     newest = tmp_path / "checkpoints" / "step-00000004"
     name = {"truncate-draft": "draft.safetensors", "truncate-state": "trainer_state.pt",
-            "missing-file": "draft_config.json", "broken-header": "draft.safetensors"}[how]
+            "missing-file": "draft_config.json", "broken-header": "draft.safetensors",
+            "same-size-state": "trainer_state.pt", "same-size-draft": "draft.safetensors"}[how]
     data = (newest / name).read_bytes()
     if how == "missing-file":
         (newest / name).unlink()
     elif how == "broken-header":
         (newest / name).write_bytes(data[:8] + b"{nonsense" + data[17:])
+    elif how.startswith("same-size"):  # tensor bytes overwritten in place (NaNs): size and headers still whole
+        middle = len(data) // 2
+        (newest / name).write_bytes(data[:middle] + b"\xff" * 64 + data[middle + 64:])
+        assert (newest / name).stat().st_size == len(data)
     else:
         (newest / name).write_bytes(data[: len(data) - 64])
     with caplog.at_level("WARNING"):
