@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dflash.checkpoint import CheckpointError
 from dflash.factory import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 
@@ -133,6 +134,46 @@ def full_draft_state(draft: nn.Module) -> dict[str, torch.Tensor]:
 def full_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's full state on the CPU, keyed by parameter name (a collective, as above)."""
     return get_optimizer_state_dict(draft, optimizer, options=_SAVE)
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter tensors, each the parameter's shape
+
+
+def check_loaded_state(path: Any, draft: nn.Module, draft_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+    """Refuse (`CheckpointError` naming the tensor) checkpoint `path`'s weights or AdamW state that do not fit this draft,
+    before any of it is loaded: a missing or unknown name, another shape or dtype, a value that is not finite,
+    a negative second moment. A wrong-shaped moment once crashed the fused AdamW kernel (a segfault) and
+    non-finite values train to NaN weights. SYNC POINT (reads every value once, at resume only)."""
+    problems: list[str] = []
+    expected = draft.state_dict()  # under FSDP2 DTensors of the full shape
+    for name in sorted(set(expected) ^ set(draft_state)):
+        problems.append(f"weight {name} is {'missing' if name in expected else 'not in this draft'}")
+    for name in sorted(set(expected) & set(draft_state)):
+        got, want = draft_state[name], expected[name]
+        if not torch.is_tensor(got) or got.shape != want.shape:
+            problems.append(f"weight {name} has shape {tuple(getattr(got, 'shape', ()))}, the draft {tuple(want.shape)}")
+        elif got.is_floating_point() and not torch.isfinite(got).all():
+            problems.append(f"weight {name} holds non-finite values")
+    params = dict(draft.named_parameters())
+    for name, entry in optimizer_state.get("state", {}).items():
+        param = params.get(name)
+        if param is None or not isinstance(entry, dict):
+            problems.append(f"optimizer state for {name}, which is not a parameter of this draft")
+            continue
+        for key in _MOMENTS:
+            moment = entry.get(key)
+            if moment is None:
+                continue
+            if not torch.is_tensor(moment) or moment.shape != param.shape or moment.dtype != param.dtype:
+                problems.append(f"optimizer {key} of {name} is {tuple(getattr(moment, 'shape', ()))} "
+                                f"{getattr(moment, 'dtype', type(moment).__name__)}, the parameter "
+                                f"{tuple(param.shape)} {param.dtype}")
+            elif not torch.isfinite(moment).all() or (key != "exp_avg" and (moment < 0).any()):
+                problems.append(f"optimizer {key} of {name} holds {'negative' if torch.isfinite(moment).all() else 'non-finite'}"
+                                " values")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} does not fit this draft, not resumed: {shown}")
 
 
 def load_draft_state(draft: nn.Module, state: dict[str, torch.Tensor]) -> None:

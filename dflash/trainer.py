@@ -46,6 +46,7 @@ from dflash.preflight import check_dependencies
 from dflash.reporting import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
 from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
 from dflash.state import (
+    check_loaded_state,
     check_resume_config,
     check_training_data,
     check_world_size,
@@ -305,6 +306,7 @@ class DFlashTrainer:
         logged (`dflash.state`). `fit` then checks the training data against the fingerprint saved with it."""
         draft_state, _, state = load_checkpoint(path, self.device)  # weights_only: no code runs
         check_resume_config(path, state.get("config", {}), self.config.to_dict())
+        check_loaded_state(path, self.draft, draft_state, state.get("optimizer", {}))  # before anything is loaded
         load_draft_state(self.draft, draft_state)
         self.load_state_dict(state)
         self.resumed, self._saved_step = resume_record(path, state, self.config.output_dir), self.step
