@@ -70,9 +70,10 @@ from dflash.losses import (
     accepted_prefix_length,
     block_positions,
     domino_linear_cross_entropy,
+    head_logits,
     linear_argmax,
 )
-from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, head_logits
+from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import BlockOutput, DFlashObjective
 from dflash.target import FrozenTarget
 

@@ -91,6 +91,15 @@ def window_loss_scale(targets: Sequence[BlockTargets], world_size: int) -> tuple
     return world_size / denominator.clamp(min=1e-6), denominator
 
 
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits `[..., V]` of states `[..., H]` through a head `[V, H]`, as one 2-D GEMM in the head's dtype.
+    A strided 3-D operand (a slice of block or sequence states) would make `@` a batched GEMM that reads
+    the whole head once per leading index."""
+    if hidden.dim() == 2:  # rows already: no reshape, and no view op on the vocabulary-sized result
+        return hidden.to(weight.dtype) @ weight.t()
+    return (hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype) @ weight.t()).view(*hidden.shape[:-1], -1)
+
+
 def _ce_stats(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     """(weighted CE per row `[..]`, log-sum-exp `[..]`, argmax == label `[..]`) of fp32 `logits` `[.., V]`."""
     lse = torch.logsumexp(logits, dim=-1)
@@ -150,7 +159,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = hidden[start:end].to(weight.dtype) @ weight.t()  # [c, V] in the head's dtype
+            logits = head_logits(hidden[start:end], weight)  # [c, V] in the head's dtype
             rows[start:end], correct[start:end], grad_logits = chunk(logits, labels[start:end],
                                                                      token_weights[start:end], needs_grad)
             if needs_grad:
@@ -294,7 +303,7 @@ class _DominoLinearCrossEntropy(torch.autograd.Function):
             end = min(start + block_chunk, m)
             rows, corrected = slice(start * p, end * p), slice(start * q, end * q)  # this chunk's rows
             u = correction[corrected].to(head.dtype)  # [c * q, E]
-            base = (hidden[rows].to(head.dtype) @ head.t()).view(end - start, p, -1)  # [c, P, V]
+            base = head_logits(hidden[rows], head).view(end - start, p, -1)  # [c, P, V]
             delta = (u @ w2.t()).view(end - start, q, -1)  # [c, q, V]
             f_rows, b_rows, f_hit, b_hit, d_base, d_delta = chunk(base, delta, labels[start:end],
                                                                  token_weights[start:end], lam, s, need_any)
@@ -385,5 +394,5 @@ def linear_argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int = 
     out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):
         end = min(start + chunk_size, hidden.shape[0])
-        out[start:end] = (hidden[start:end].to(weight.dtype) @ weight.t()).argmax(dim=-1)
+        out[start:end] = head_logits(hidden[start:end], weight).argmax(dim=-1)
     return out

@@ -46,13 +46,6 @@ def text_config_of(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits `[..., V]` of states `[..., H]` through a head `[V, H]`, as one 2-D GEMM in the head's dtype.
-    A strided 3-D operand (a slice of block or sequence states) would make `@` a batched GEMM that reads
-    the whole head once per leading index."""
-    return (hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype) @ weight.t()).view(*hidden.shape[:-1], -1)
-
-
 @dataclass
 class DFlashDraftConfig:
     """Shape of a DFlash draft. `hidden_size` and `vocab_size` must equal the target's."""

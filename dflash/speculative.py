@@ -53,7 +53,8 @@ from torch import nn
 
 from dflash.console import progress
 from dflash.domino import DominoDraftModel, domino_propose
-from dflash.modeling import DFlashDraftModel, head_logits
+from dflash.losses import head_logits
+from dflash.modeling import DFlashDraftModel
 from dflash.target import capture_layer_outputs
 
 

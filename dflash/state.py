@@ -168,9 +168,10 @@ def check_loaded_state(path: Any, draft: nn.Module, draft_state: dict[str, Any],
                 problems.append(f"optimizer {key} of {name} is {tuple(getattr(moment, 'shape', ()))} "
                                 f"{getattr(moment, 'dtype', type(moment).__name__)}, the parameter "
                                 f"{tuple(param.shape)} {param.dtype}")
-            elif not torch.isfinite(moment).all() or (key != "exp_avg" and (moment < 0).any()):
-                problems.append(f"optimizer {key} of {name} holds {'negative' if torch.isfinite(moment).all() else 'non-finite'}"
-                                " values")
+            elif not torch.isfinite(moment).all():
+                problems.append(f"optimizer {key} of {name} holds non-finite values")
+            elif key != "exp_avg" and (moment < 0).any():
+                problems.append(f"optimizer {key} of {name} holds negative values")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(f"checkpoint {path} does not fit this draft, not resumed: {shown}")

@@ -17,7 +17,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dflash.modeling import head_logits, text_config_of
+from dflash.losses import head_logits
+from dflash.modeling import text_config_of
 
 
 class LayerCapture:

@@ -471,7 +471,8 @@ def main() -> int:
         if getattr(args, field):
             setattr(s, field, getattr(args, field))
     trainer = build(args.config, s, args, device)
-    trainer.objective.compile_loss = args.compile or args.compile_loss
+    if args.compile_loss:  # `--compile` sets it through the trainer's config
+        trainer.objective.compile_loss = True
     batch = random_batch(s, device, rank)  # each rank its own rows
     density = mask_density(trainer, batch, device)
     progress("built", t0)

@@ -182,7 +182,7 @@ def test_vocabulary_gemms_are_plain_2d_products_in_the_compute_dtype():
 def test_greedy_labels_and_block_logits_run_one_2d_gemm():
     """The target's greedy labels (a sequence slice of `[B, S, H]`) and a block's proposal logits go through
     `head_logits`: one `mm`, equal to the batched product."""
-    from dflash.modeling import head_logits
+    from dflash.losses import head_logits
     from dflash.target import greedy_labels
 
     g = torch.Generator().manual_seed(0)
