@@ -126,17 +126,29 @@ def wait(proc: multiprocessing.Process, log: Path, timeout: float = 180.0) -> in
     return proc.exitcode
 
 
+def holds_open(fd_dir: Path, target: str) -> bool:
+    """Whether the process of `/proc/PID/fd` has `target` open. An fd closed, or the process gone, between
+    the listing and the read is skipped alone (it once failed the test below: a starting interpreter opens
+    and closes files while it is looked at), never the rest of the process's fds."""
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:  # the process ended
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def wait_for_writers(log: Path, timeout: float = 30.0) -> None:
     """Until no process holds `log` open (Linux /proc): a SIGKILLed run's DataLoader workers outlive it a
     moment and may still be printing, so its log is complete only once they are gone."""
     target, deadline = str(log.resolve()), time.monotonic() + timeout
     while time.monotonic() < deadline:
-        holders = 0
-        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-            try:
-                holders += any(os.readlink(fd) == target for fd in fd_dir.iterdir())
-            except OSError:  # the process ended while we looked
-                continue
+        holders = sum(holds_open(fd_dir, target) for fd_dir in Path("/proc").glob("[0-9]*/fd"))
         if not holders:
             return
         time.sleep(0.05)
@@ -433,7 +445,7 @@ def test_a_log_is_read_only_after_its_last_writer_is_gone(tmp_path):
         writer = subprocess.Popen([sys.executable, "-c", script, str(log)])  # fork + exec: no shared locks
         opened.write("Traceback (most recent call last):\n")
     deadline = time.monotonic() + 10
-    while not any(os.readlink(fd) == str(log.resolve()) for fd in Path(f"/proc/{writer.pid}/fd").iterdir()):
+    while not holds_open(Path(f"/proc/{writer.pid}/fd"), str(log.resolve())):
         assert time.monotonic() < deadline, "the writer never opened the log"
         time.sleep(0.01)
     wait_for_writers(log)
