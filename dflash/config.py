@@ -169,7 +169,8 @@ class TrainConfig:
             (self.draft.position_weights in ("decay", "dpace", "none"),
              "draft.position_weights must be decay, dpace or none"),
             (not (self.draft.position_weights == "dpace" and self.draft.kind == "domino"),
-             "draft.position_weights: dpace is for DFlash drafts (a Domino draft's mixed loss takes decay or none)"),
+             "draft.position_weights: dpace is for DFlash drafts (a Domino draft's mixed loss takes decay or none); "
+             "add draft.kind=dflash (the embedded default trains a Domino draft on a GPU)"),
             (0 <= self.draft.dpace_alpha <= 1, "draft.dpace_alpha must be in [0, 1]"),
             (self.domino.emb_dim >= 1 and self.domino.gru_hidden_dim >= 1, "domino.emb_dim/gru_hidden_dim must be >= 1"),
             (0 <= self.domino.pure_draft_prefix_len < self.draft.block_size - 1,

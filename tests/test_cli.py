@@ -47,6 +47,18 @@ def test_yaml_config_and_presets(tmp_path):
     assert other.max_steps == TrainConfig().max_steps  # presets only for the embedded target
 
 
+def test_gpu_preset_trains_a_compiled_domino_draft_and_the_cpu_preset_dflash():
+    """Domino won on the GPU preset (real τ, docs/benchmarks.md 2026-12-03) and lost at equal time on 2 CPU
+    cores; a user's kind wins over both, and D-PACE on the GPU default names the fix."""
+    gpu = TrainConfig.from_sources(None, ["device=cuda"])
+    assert (gpu.draft.kind, gpu.compile) == ("domino", True)
+    cpu = TrainConfig.from_sources(None, ["device=cpu"])
+    assert (cpu.draft.kind, cpu.compile) == ("dflash", False)
+    assert TrainConfig.from_sources(None, ["device=cuda", "draft.kind=dflash"]).draft.kind == "dflash"
+    with pytest.raises(ValueError, match="add draft.kind=dflash"):
+        TrainConfig.from_sources(None, ["device=cuda", "draft.position_weights=dpace"])
+
+
 def test_gpu_preset_leaves_linked_data_keys_to_the_user():
     """The GPU preset asks standalone prompts (one turn each); a user who sets how many turns the target
     answers gets none of the preset's turn settings, not a config error."""
