@@ -51,6 +51,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from dflash.factory import draft_model_for_config
+from dflash.files import write_atomic
 from dflash.modeling import DFlashDraftConfig
 
 log = logging.getLogger(__name__)
@@ -108,13 +109,7 @@ def _write(path: Path, data: bytes) -> None:
 def write_run_config(run_dir: str | Path, config: dict[str, Any]) -> None:
     """RUN/config.yaml, the resolved configuration (written by `fit` once a resume has been accepted, so a
     refused one leaves the run's file as it was)."""
-    path = Path(run_dir) / "config.yaml"
-    tmp = path.with_name(f".config.yaml-{os.getpid()}")
-    try:
-        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-        os.replace(tmp, path)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from e
+    write_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
@@ -423,7 +418,13 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> tup
 
 
 def draft_from_checkpoint(draft_state: dict[str, torch.Tensor], draft_config: dict[str, Any]) -> torch.nn.Module:
-    """Rebuild the draft saved in a checkpoint (DFlash, or Domino when its config says so)."""
-    model = draft_model_for_config(DFlashDraftConfig.from_dict(draft_config))
-    model.load_state_dict(draft_state)
+    """Rebuild the draft saved in a checkpoint (DFlash, or Domino when its config says so); a CheckpointError
+    naming the tensors when the weights do not fit the config (an edited or swapped draft_config.json)."""
+    try:
+        model = draft_model_for_config(DFlashDraftConfig.from_dict(draft_config))
+        model.load_state_dict(draft_state)
+    except (RuntimeError, TypeError, ValueError) as e:
+        problems = [line.strip() for line in str(e).strip().splitlines()[1:]] or [str(e)]  # line 0: a header
+        raise CheckpointError(f"draft.safetensors does not fit the checkpoint's draft_config.json: "
+                              f"{'; '.join(problems[:3])}") from None
     return model

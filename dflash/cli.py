@@ -72,13 +72,20 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from dflash.corpus import regenerate_source
+def _checked_config(args: argparse.Namespace) -> TrainConfig:
+    """The command's config, its packages checked before the target loads (`generate`, `features`)."""
     from dflash.preflight import check_dependencies
-    from dflash.runtime import launch_process_group
 
     config = TrainConfig.from_sources(args.config, args.overrides)
-    check_dependencies(config)  # before the target loads
+    check_dependencies(config)
+    return config
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dflash.corpus import regenerate_source
+    from dflash.runtime import launch_process_group
+
+    config = _checked_config(args)
     with launch_process_group():
         result = regenerate_source(config)
     print(f"{result.path}: {result.written} new replies, {result.reused} reused, skipped {result.skipped}")
@@ -87,11 +94,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _features(args: argparse.Namespace) -> int:
     from dflash.factory import write_run_features
-    from dflash.preflight import check_dependencies
     from dflash.runtime import launch_process_group
 
-    config = TrainConfig.from_sources(args.config, args.overrides)
-    check_dependencies(config)  # before the target loads
+    config = _checked_config(args)
     start = time.perf_counter()
     with launch_process_group():
         parts = write_run_features(config)
@@ -164,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_message(e: BaseException) -> str:
+    """One line for an error the program can name: an OS error's file and reason (its first argument is
+    the errno, which alone read "error: 2"), else the message itself."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e.args[0]) if e.args else str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -193,11 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (KeyError, ValueError, FileNotFoundError) as e:
-        print(f"dflash {args.command}: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        print(f"dflash {args.command}: error: {error_message(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # output not writable: disk full, read-only, permissions (checkpoints say which)
-        where = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
-        print(f"dflash {args.command}: error: {where}", file=sys.stderr)
+        print(f"dflash {args.command}: error: {error_message(e)}", file=sys.stderr)
         return 4
     finally:
         logger.removeHandler(handler)

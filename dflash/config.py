@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the draft and the CE chunks (flex attention is always compiled on GPU)
     cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
     distributed: str = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)
-    output_dir: str = "runs/dflash"
+    output_dir: str = "runs/dflash"  # a new or empty folder, or a previous run's with resume_from / overwrite_output_dir
+    overwrite_output_dir: bool = False  # replace the previous run in output_dir (only the files dflash writes)
     log_interval: int = 10  # steps between metric flushes (the only sync of a normal step)
     eval_interval: int = 0  # steps between held-out evaluations (0: only at the end)
     save_interval: int = 0  # steps between checkpoints (0: only at the end)
@@ -230,7 +232,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         cfg = cls()
-        for key, value in _flatten(data):
+        for key, value in flatten(data):
             cfg.set(key, value)
         return cfg
 
@@ -247,7 +249,7 @@ class TrainConfig:
             raise ValueError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
-        pairs = list(_flatten(data or {}))
+        pairs = list(flatten(data or {}))
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
@@ -294,11 +296,12 @@ def _yaml_problem(error: Exception) -> str:
     return f"{getattr(error, 'problem', None) or error}{where}"
 
 
-def _flatten(data: dict[str, Any], prefix: str = ""):
+def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) for every leaf of a nested dict: `{"a": {"b": 1}}` -> ("a.b", 1)."""
     for key, value in data.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            yield from _flatten(value, name + ".")
+            yield from flatten(value, name + ".")
         else:
             yield name, value
 
@@ -319,12 +322,11 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        errors = []
         for option in (o for o in options if o is not type(None)):
             try:
                 return _convert(value, option, key)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
+            except (TypeError, ValueError):
+                continue  # the next option; the error below names them all
         names = [getattr(o, "__name__", str(o)) if o is not type(None) else "null" for o in options]
         raise ValueError(f"{key}: could not convert {value!r} to {' or '.join(names)}")
     if origin is list:

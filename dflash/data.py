@@ -226,6 +226,16 @@ class DevicePrefetcher:
             }
 
 
+def micro_batches(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """`batch` split by rows into `n` micro-batches (`optim.grad_accum`): every row tensor (ids, mask;
+    offline features and labels) chunked, the collator's anchor width (a host int) given to each."""
+    if batch["input_ids"].shape[0] % n:
+        raise ValueError(f"batch of {batch['input_ids'].shape[0]} rows does not split into grad_accum={n}")
+    parts = {k: v.chunk(n) for k, v in batch.items() if torch.is_tensor(v)}
+    width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}
+    return [{**{k: v[i] for k, v in parts.items()}, **width} for i in range(n)]
+
+
 @dataclass
 class DataPosition:
     """Where a run stands in its data: the epoch and the loader batches consumed in it (host counters,

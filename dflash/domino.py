@@ -234,9 +234,10 @@ class DominoObjective(DFlashObjective):
         tokens = torch.where(targets.valid[..., :num], labels[..., :num], data)
         if not (self.draft.training and self.scheduled_sampling > 0):
             return tokens
-        sampled = getattr(targets, "sampled", None)
-        if sampled is None:  # targets not made by `plan` (e.g. built by hand): draw here
-            sampled = torch.rand(tokens.shape, device=tokens.device) < self.scheduled_sampling
+        sampled = targets.sampled if isinstance(targets, DominoTargets) else None
+        if sampled is None:  # a draw here would come from the global RNG, outside (seed, rank, step)
+            raise ValueError("Domino scheduled sampling needs targets from DominoObjective.plan (their `sampled` "
+                             "draw follows the anchor generator, so resume and graph replay repeat it)")
         prev = proposals[:, :, :-1]  # proposals 0..P-2 feed GRU inputs 1..P-1
         guess = linear_argmax(prev.reshape(-1, prev.shape[-1]), self.target.lm_head_weight,
                               self.ce_chunk_size).view(prev.shape[:3])

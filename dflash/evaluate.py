@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from dflash.config import DataSettings
 from dflash.corpus import held_out_conversations
-from dflash.export import check_compatible, load_exported, trained_held_out_split, trained_target
+from dflash.export import check_compatible, exported_folder, load_exported, trained_held_out_split, trained_target
 from dflash.regenerate import prompt_turns, stop_token_ids
 from dflash.runtime import load_target, resolve_device, resolve_dtype
 from dflash.sources import load_conversations
@@ -126,6 +127,14 @@ def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int =
     return load_conversations(prompts, require_assistant=False)[0]
 
 
+def check_writable(path: Path) -> None:
+    """Make `path`'s folder and check a file can be written in it (an OSError naming the path if not);
+    the check's file is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}-"):
+        pass
+
+
 def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "auto", num_prompts: int = 20,
              max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
              held_out_size: int = 64, tensor_parallel: int | None = None) -> dict[str, Any]:
@@ -134,6 +143,10 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
     Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
     launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.tp_decode`);
     every rank returns the report, rank 0 writes it. `prompts`: see `eval_conversations`."""
+    exported_folder(draft_dir)  # what --draft is, said before any work
+    path = Path(out) if out else Path(draft_dir) / "eval.json"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        check_writable(path)  # the report is written after minutes of decoding: a bad --out fails now
     conversations = eval_conversations(prompts, draft_dir, held_out_size)  # before any weight is read
     if target is None:  # the target the draft was trained for (its config.json), else the embedded one
         target = trained_target(draft_dir) or "embedded"
@@ -150,7 +163,6 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
     run = lambda m: speculative_report(m, tokenizer, draft, conversations, num_prompts=num_prompts,
                                        max_new_tokens=max_new_tokens)
     report = decode_report(model, run) if tp > 1 else run(model)
-    path = Path(out) if out else Path(draft_dir) / "eval.json"
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.write_text(json.dumps(report, indent=2))
         log.info("wrote %s", path)

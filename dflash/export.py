@@ -269,6 +269,20 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
     )
 
 
+def exported_folder(path: str | Path) -> Path:
+    """`path` if it holds an exported draft, else a FileNotFoundError saying what it is instead (missing,
+    a training checkpoint or run folder, or something else) and what to pass."""
+    folder = Path(path)
+    if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS_NAME).is_file():
+        return folder
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder} does not exist; pass an exported draft folder (a run's export/)")
+    if (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{folder} is a training checkpoint or run folder, not an exported draft: pass the "
+                                f"run's export/ folder, or write one with `dflash export {folder} OUT_DIR`")
+    raise FileNotFoundError(f"{folder} is not an exported DFlash draft (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+
+
 def load_exported(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
                   *, target_model: nn.Module | None = None) -> DFlashDraftModel:
     """Read an exported folder back into a draft (eval mode, on `device`, in `dtype`): a
@@ -277,21 +291,24 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
     The tensor names must be exactly the model's (the error lists missing and unexpected names);
     shapes must match the config. With `target_model`, `check_compatible` runs first.
     """
-    folder = Path(path)
-    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-        raise FileNotFoundError(f"{folder} is not an exported DFlash draft (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+    folder = exported_folder(path)
     cfg = draft_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
     if target_model is not None:
         check_compatible(cfg, target_model)
     model = draft_model_for_config(cfg)
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
-        names = set(f.keys())
-        missing, unexpected = sorted(set(wanted) - names), sorted(names - set(wanted))
-        if missing or unexpected:
-            raise ValueError(f"{folder / WEIGHTS_NAME} does not match the DFlash draft of its config.json: "
-                             f"missing {missing}, unexpected {unexpected}")
-        state = {name: f.get_tensor(name) for name in names}
+    try:
+        with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
+            names = set(f.keys())
+            missing, unexpected = sorted(set(wanted) - names), sorted(names - set(wanted))
+            if not (missing or unexpected):
+                state = {name: f.get_tensor(name) for name in names}
+    except Exception as e:  # safetensors' own error type names no file: say which, and that it is damaged
+        raise ValueError(f"{folder / WEIGHTS_NAME} cannot be read ({e}): the file is damaged or truncated; "
+                         "export the draft again") from None
+    if missing or unexpected:
+        raise ValueError(f"{folder / WEIGHTS_NAME} does not match the DFlash draft of its config.json: "
+                         f"missing {missing}, unexpected {unexpected}")
     bad = [f"{n}: file {tuple(t.shape)} vs config {wanted[n]}" for n, t in state.items() if tuple(t.shape) != wanted[n]]
     if bad:
         raise ValueError("tensor shapes do not match config.json: " + "; ".join(bad))

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from dflash.files import format_bytes, write_atomic
 from dflash.modeling import text_config_of
 from dflash.target import FrozenTarget
 from dflash.tokenization import tokenizer_fingerprint
@@ -167,9 +169,7 @@ def write_split_record(root: str | os.PathLike[str], split: Mapping[str, Any]) -
 
 
 def _write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(payload, indent=1, sort_keys=True) + "\n")
 
 
 def shard_name(index: int) -> str:
@@ -197,8 +197,14 @@ def shard_tensors(rows: Sequence[Mapping[str, torch.Tensor]], row_start: int) ->
 def save_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Write a shard atomically (temporary file, then rename); its manifest entry (file, bytes, sha256)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    # One metadata entry: safetensors keeps metadata in a hash map whose order changes from call to call.
-    save_file(dict(tensors), str(tmp), metadata={"dflash_features_version": str(FORMAT_VERSION)})
+    try:
+        # One metadata entry: safetensors keeps metadata in a hash map whose order changes from call to call.
+        save_file(dict(tensors), str(tmp), metadata={"dflash_features_version": str(FORMAT_VERSION)})
+    except Exception as e:  # safetensors' own error for a failed write: the OS error it wraps, naming the file
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) or not (code := re.search(r"os error (\d+)", str(e))):
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     os.replace(tmp, path)
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
@@ -213,10 +219,6 @@ def _free_bytes(path: Path) -> int:
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _compute_shard(target: FrozenTarget, rows: Any, start: int, end: int, *, dtype: torch.dtype, max_length: int,
@@ -323,12 +325,12 @@ def write_features(target: FrozenTarget, target_name: str, rows: Any, out_dir: s
     needed = estimate_bytes(sum(lengths), feature_dim, torch_dtype, labels)
     left = estimate_bytes(sum(lengths[len(kept) * shard_rows :]), feature_dim, torch_dtype, labels)
     logger.info("features: %d rows, %d tokens x %d (%s): about %s (%s left to write), %d shards (%d kept)",
-                num_rows, sum(lengths), feature_dim, name, _gib(needed), _gib(left), len(starts), len(kept))
+                num_rows, sum(lengths), feature_dim, name, format_bytes(needed), format_bytes(left), len(starts), len(kept))
     free = _free_bytes(out)
     if free < left:
-        raise OSError(f"not enough free disk for the features in {out}: {left} bytes ({_gib(left)}) needed "
+        raise OSError(f"not enough free disk for the features in {out}: {left} bytes ({format_bytes(left)}) needed "
                       f"({num_rows} rows, {sum(lengths)} tokens x {feature_dim} x {torch_dtype.itemsize} bytes), "
-                      f"{free} bytes ({_gib(free)}) free")
+                      f"{free} bytes ({format_bytes(free)}) free")
     shards = list(kept)
     device = target.embed_weight.device
     bar = tqdm(total=num_rows, initial=min(len(kept) * shard_rows, num_rows), unit="row", desc="features",
@@ -353,5 +355,5 @@ def write_features(target: FrozenTarget, target_name: str, rows: Any, out_dir: s
         bar.close()
     _write_json_atomic(out / MANIFEST, {"header": header, "shards": shards})
     (out / PARTIAL).unlink(missing_ok=True)
-    logger.info("features written to %s: %s", out, _gib(sum(s["bytes"] for s in shards)))
+    logger.info("features written to %s: %s", out, format_bytes(sum(s["bytes"] for s in shards)))
     return out

@@ -17,12 +17,9 @@ from dflash.chain import chain_tau_sums
 from dflash.console import progress
 from dflash.data import Collator, make_dataloader
 from dflash.losses import accepted_prefix_length
-from dflash.metrics import Metrics
+from dflash.metrics import UPDATE_ONLY, Metrics
 from dflash.modeling import allow_compiled_shapes
 from dflash.objective import DFlashObjective
-
-# Flushed sums that describe optimizer updates, not held-out rows.
-_UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 
 
 @torch.no_grad()
@@ -58,7 +55,7 @@ def held_out_metrics(objective: DFlashObjective, dataset: Any, collator: Collato
     metrics.add("steps", 1.0)
     out = metrics.flush()
     out.update(chain_tau=emitted / max(forwards, 1), chain_forwards=forwards)
-    return {k: v for k, v in out.items() if k not in _UPDATE_ONLY}
+    return {k: v for k, v in out.items() if k not in UPDATE_ONLY}
 
 
 def output_rows(texts: list[tuple[list[int], list[int]]]) -> datasets.Dataset:

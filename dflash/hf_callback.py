@@ -14,12 +14,10 @@ from transformers import Trainer, TrainerCallback
 from dflash.diagnostics import DFlashSyncWarning, per_step_sync_settings
 from dflash.export import export_draft
 from dflash.hf_module import DFlashTrainingModule, check_config_against_args, unwrap_model
+from dflash.metrics import UPDATE_ONLY
 from dflash.reporting import Reporter
 
 EXPORT_DIRNAME = "dflash-draft"  # the published-format draft inside each Trainer checkpoint folder
-# Flushed metrics that the Trainer reports itself (grad_norm, learning_rate) or that it does not
-# produce (it never skips a non-finite step): left out of the callback's logs.
-_NOT_FED = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 
 
 class DFlashCallback(TrainerCallback):
@@ -93,11 +91,9 @@ class DFlashCallback(TrainerCallback):
         module.micro_step = state.global_step * args.gradient_accumulation_steps
         module.metrics, module.eval_metrics = module.new_metrics(), module.new_metrics()
         module.eval_batches = 0
-        bind = getattr(module.objective, "bind_schedule", None)
-        if bind is not None:
-            # Built on the device by a fill kernel: no host->device copy; then only add_(1) per step.
-            self.step_t = torch.zeros((), dtype=torch.float32, device=module.device).fill_(state.global_step)
-            bind(self.step_t, state.max_steps)
+        # Built on the device by a fill kernel: no host->device copy; then only add_(1) per step.
+        self.step_t = torch.zeros((), dtype=torch.float32, device=module.device).fill_(state.global_step)
+        module.objective.bind_schedule(self.step_t, state.max_steps)  # a no-op for DFlash's unscheduled loss
         if self.write_jsonl and state.is_world_process_zero:
             self._reporter = Reporter(args.output_dir, [], {}, console=False)
         self._steps_since_flush, self._window_start = 0, time.perf_counter()
@@ -158,7 +154,7 @@ class DFlashCallback(TrainerCallback):
         """Put flushed `values` into `logs` (+ the log_history entry the Trainer already appended)
         and into metrics.jsonl (unprefixed names, as DFlashTrainer writes them)."""
         scalars = {f"{log_prefix}{k}": v for k, v in values.items()
-                   if k not in _NOT_FED and isinstance(v, (int, float))}
+                   if k not in UPDATE_ONLY and isinstance(v, (int, float))}
         if self.per_position_in_logs:
             for i, v in enumerate(values.get("per_position_accuracy", [])):
                 scalars[f"{log_prefix}pos_acc_{i + 1}"] = v
@@ -166,7 +162,7 @@ class DFlashCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(scalars)
         if self._reporter is not None:
-            kept = {f"{jsonl_prefix}{k}": v for k, v in values.items() if k not in _NOT_FED}
+            kept = {f"{jsonl_prefix}{k}": v for k, v in values.items() if k not in UPDATE_ONLY}
             if not jsonl_prefix:  # the Trainer's own step metrics, for the same plots
                 kept.update({k: logs[k] for k in ("grad_norm", "learning_rate") if k in logs})
             self._reporter.log(state.global_step, kept, state.max_steps)

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Flushed metrics that describe the optimizer update, not the blocks scored: a held-out evaluation (no
+# update) and the HF Trainer's own logs (which have grad_norm and learning_rate) leave them out.
+UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
+
 
 # name -> width. Sums over the window (and ranks); ratios are formed in `flush`.
 def _layout(block_size: int, variant: str) -> dict[str, int]:

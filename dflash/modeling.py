@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,6 +41,12 @@ def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     if num_target_layers < 5:  # tiny targets: spread over 0..L-2 (layer L-1's HF hidden state is post-norm)
         return [round(j * max(0, num_target_layers - 2) / (num_ids - 1)) for j in range(num_ids)]
     return [round(1 + j * (num_target_layers - 4) / (num_ids - 1)) for j in range(num_ids)]
+
+
+def cache_kwarg(forward: Callable[..., Any]) -> str:
+    """The KV-cache argument of an HF forward (a model's or an attention module's): `cache` in transformers
+    5.24 (`past_key_values` deprecated there), `past_key_values` in 5.17."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def text_config_of(config: Any) -> Any:

@@ -85,6 +85,10 @@ class DFlashObjective(nn.Module):
         """Run the draft through `call` (the draft wrapped in DDP and/or torch.compile)."""
         object.__setattr__(self, "_draft_call", call)
 
+    def bind_schedule(self, step_t: torch.Tensor, max_steps: int) -> None:
+        """Follow `step_t` (completed steps `[]`, a device tensor the training loop advances in place) over
+        `max_steps`. DFlash's loss has no schedule: nothing to bind (Domino's λ overrides this)."""
+
     # ---- blocks ---------------------------------------------------------------------------
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,

@@ -15,6 +15,7 @@ from dflash.config import TrainConfig
 from dflash.corpus import _regenerated_file, _training_rows, split_conversations
 from dflash.embedded import cache_root, embedded_target_dir
 from dflash.factory import draft_config_for, draft_model_for_config
+from dflash.files import format_bytes
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.regenerate import prompt_id, prompt_turns
@@ -28,10 +29,6 @@ def target_source(name: str) -> str:
     return str(embedded_target_dir()) if name == "embedded" else name
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
     """This rank's bytes of the target's parameters and buffers with `tp` ranks per tensor-parallel group:
     the decoder layers 1/tp, the embedding and LM head whole (the draft reads them). From the config on
@@ -43,9 +40,9 @@ def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
         text = text_config_of(target_config)
         shard_model_(model, check_tp_support(text, tp), 0, tp)
     mine = target_parameter_bytes(model)
-    return (f"{_gib(mine['total'])} (decoder layers {_gib(mine['layers'])} of {_gib(whole['layers'])}, embedding "
-            f"{_gib(mine['embedding'])}, LM head {_gib(mine['lm_head'])}{' (tied)' if not mine['lm_head'] else ''}, "
-            f"other {_gib(mine['other'])})")
+    b = {key: format_bytes(n) for key, n in mine.items()}
+    return (f"{b['total']} (decoder layers {b['layers']} of {format_bytes(whole['layers'])}, embedding "
+            f"{b['embedding']}, LM head {b['lm_head']}{' (tied)' if not mine['lm_head'] else ''}, other {b['other']})")
 
 
 def mesh(tp: int) -> str:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from dflash.files import write_atomic
+
 log = logging.getLogger("dflash")
+HISTORY_BACKUP = "metrics.before-resume.jsonl"  # the lines a resume went back past, until it passes them
 SUMMARY_NAME = "summary.json"  # RUN/summary.json: what `fit` returned, in full
 
 
@@ -89,10 +91,27 @@ def truncate_history(path: str | Path, step: int, size: int | None = None) -> in
         keep = b"".join(line for line in data.splitlines(keepends=True) if line.endswith(b"\n") and kept(line))
     if keep == data:
         return 0
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(keep)
-    os.replace(tmp, path)
+    _keep_aside(path.with_name(HISTORY_BACKUP), data)
+    write_atomic(path, keep)
     return data.count(b"\n") + (not data.endswith(b"\n")) - keep.count(b"\n")
+
+
+def last_step(data: bytes) -> int:
+    """The step of the last whole line of a metrics.jsonl's bytes (-1 when there is none)."""
+    for line in reversed(data.splitlines(keepends=True)):
+        try:
+            return int(json.loads(line)["step"]) if line.endswith(b"\n") else -1
+        except (ValueError, KeyError, TypeError):
+            continue
+    return -1
+
+
+def _keep_aside(backup: Path, data: bytes) -> None:
+    """Keep the whole history a resume goes back past in `backup` until the resumed run logs past its last
+    step (`Reporter.log`): if that run is killed first, the later lines are still there. An older backup
+    that reaches further is kept instead."""
+    if not (backup.is_file() and last_step(backup.read_bytes()) >= last_step(data)):
+        write_atomic(backup, data)
 
 
 class Reporter:
@@ -101,9 +120,11 @@ class Reporter:
     def __init__(self, run_dir: str | Path, report_to: list[str], config: dict[str, Any], *,
                  enabled: bool = True, console: bool = True, resumed: dict[str, Any] | None = None) -> None:
         """`resumed` (`dflash.state.resume_record`, or `{"step": 0}` for a fresh start): metrics.jsonl loses
-        what an earlier launch logged after that step, so no step is logged twice."""
+        what an earlier launch logged after that step, so no step is logged twice; those lines wait in
+        RUN/metrics.before-resume.jsonl until this run has logged past them."""
         self.enabled, self.console = enabled, console
         self.jsonl = Path(run_dir) / "metrics.jsonl"
+        self.backup, self.backup_until, self.last_logged = self.jsonl.with_name(HISTORY_BACKUP), -1, -1
         self._wandb = self._tb = None
         if not enabled:
             return
@@ -111,8 +132,10 @@ class Reporter:
         if resumed is not None:
             dropped = truncate_history(self.jsonl, resumed["step"], resumed.get("metrics_bytes"))
             if dropped:
-                log.info("%s: dropped %d line(s) an earlier launch logged after step %d (this run logs those steps "
-                         "again)", self.jsonl, dropped, resumed["step"])
+                log.info("%s: moved %d line(s) an earlier launch logged after step %d to %s until this run logs "
+                         "past them", self.jsonl, dropped, resumed["step"], self.backup)
+        if self.backup.is_file():
+            self.backup_until = last_step(self.backup.read_bytes())
         unknown = set(report_to) - {"wandb", "tensorboard"}
         if unknown:
             raise ValueError(f"report_to: unknown sink(s) {sorted(unknown)}; choose from wandb, tensorboard")
@@ -133,6 +156,9 @@ class Reporter:
             return
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.last_logged = step
+        if 0 <= self.backup_until < step:  # written past every line the resume went back over
+            self._drop_backup()
         if self.console:
             log.info(format_line(step, max_steps or step, metrics))
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -144,7 +170,13 @@ class Reporter:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
 
+    def _drop_backup(self) -> None:
+        self.backup.unlink(missing_ok=True)
+        self.backup_until = -1
+
     def close(self) -> None:
+        if 0 <= self.backup_until <= self.last_logged:  # the run ended having logged every step again
+            self._drop_backup()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:

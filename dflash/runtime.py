@@ -6,8 +6,12 @@ so none of them has to import the trainer for these.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import logging
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +28,8 @@ if TYPE_CHECKING:  # annotations only
     from dflash.config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the config's dtype names
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+log = logging.getLogger("dflash")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,12 +124,27 @@ def init_distributed() -> tuple[int, int]:
     """(rank, world_size). Under `accelerate launch` / torchrun (WORLD_SIZE > 1) this initialises the
     process group (through accelerate; NCCL on GPUs, gloo on CPUs); a single process gets (0, 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        stop_with_launcher()
         PartialState()
         if not dist.is_initialized():  # accelerate leaves CPU-only launches (gloo) to us
             dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def stop_with_launcher() -> None:
+    """Have the kernel send this process SIGTERM when its parent, the launcher (torchrun), dies, even by
+    SIGKILL: the ranks then stop together at the next log flush and save (`dflash.stopping`), instead of
+    training on as orphans. A parent already gone (the process was reparented to init) stops it now.
+    Linux only (prctl); elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("could not ask to stop with the launcher (prctl: %s)", os.strerror(ctypes.get_errno()))
+    elif os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def shutdown_distributed() -> None:

@@ -201,10 +201,16 @@ def _iter_json_lines(lines: Iterable[bytes], name: str, report: DataReport) -> I
         if not text.strip():
             continue
         try:
-            yield where, json.loads(text)
+            row = json.loads(text)
         except json.JSONDecodeError as e:
             report.rows_read += 1
             report.skip("malformed JSON lines", where, e.msg)
+            continue
+        except RecursionError:  # no conversation nests this deep: a bad row, not a crash
+            report.rows_read += 1
+            report.skip("malformed JSON lines", where, "nested too deeply")
+            continue
+        yield where, row
 
 
 def _iter_file(path: Path, report: DataReport) -> Iterator[tuple[str, Any]]:
@@ -227,8 +233,8 @@ def _iter_file(path: Path, report: DataReport) -> Iterator[tuple[str, Any]]:
     if path.suffix == ".json" and data.lstrip()[:1] == b"[":
         try:
             rows = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read {name}: {e}") from e
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"cannot read {name}: {e}") from None
         for index, row in enumerate(rows):
             yield f"{name} row {index}", row
         return

@@ -41,7 +41,6 @@ training step.
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ from torch import nn
 from dflash.console import progress
 from dflash.domino import DominoDraftModel, domino_propose
 from dflash.losses import head_logits
-from dflash.modeling import DFlashDraftModel
+from dflash.modeling import DFlashDraftModel, cache_kwarg
 from dflash.target import capture_layer_outputs
 
 
@@ -115,15 +114,9 @@ def crop_cache(cache: Any, length: int) -> None:
                            f"positions, expected {length}")
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    """The KV-cache argument: `cache` in 5.24 (`past_key_values` deprecated), `past_key_values` in 5.17."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _target_forward(model: nn.Module, ids: torch.Tensor, cache: Any, *, last_only: bool = False):
     """Logits `[1, T, V]` (or `[1, 1, V]` with last_only) and the (in-place updated) KV cache."""
-    kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, _cache_kwarg(model): cache}
+    kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, cache_kwarg(model.forward): cache}
     if last_only:
         kwargs["logits_to_keep"] = 1
     out = model(**kwargs)

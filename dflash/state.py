@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dflash.checkpoint import CheckpointError
+from dflash.config import flatten
 from dflash.factory import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 
@@ -51,15 +52,8 @@ RUN_DEFINING = ("target", "draft.", "domino.", "seed", "batch_size", "optim.grad
 NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def _differences(saved: dict[str, Any], current: dict[str, Any], defining: bool) -> list[str]:
-    a, b = _flat(saved), _flat(current)
+    a, b = dict(flatten(saved)), dict(flatten(current))
     keys = sorted(k for k in set(a) | set(b) if k not in NOT_COMPARED
                   and (k.startswith(RUN_DEFINING) or k in RUN_DEFINING) == defining)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]

@@ -28,7 +28,7 @@ from dflash.sources import Message, dataset_report, load_conversations, local_fi
 logger = logging.getLogger(__name__)
 
 # Bump when the tokenization or the cached layout changes: old caches then stop matching.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 1  # unchanged by the character cut: it leaves the first max_length tokens as they were
 
 
 # --------------------------------------------------------------------------- tokenizing
@@ -77,7 +77,28 @@ def _assistant_spans(
     return spans, unlocated
 
 
-def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_length: int) -> dict[str, Any]:
+def char_budget(tokenizer: Any, max_length: int) -> int:
+    """Characters of message text that can matter to ``max_length`` tokens: ``max_length`` times the
+    longest vocabulary entry (a token covers at most as many characters as its entry has, byte-level
+    or SentencePiece), plus a margin for the word the cut falls in. Text past it is truncated anyway."""
+    return max_length * max(map(len, tokenizer.get_vocab())) + 1024
+
+
+def cut_messages(messages: Sequence[Message], max_chars: int) -> list[Message]:
+    """``messages`` with at most ``max_chars`` characters of content in all: the message that crosses the
+    budget is cut and later ones dropped (truncation keeps the start). One 30 MB row took 5 GB to
+    tokenize whole."""
+    kept, left = [], max_chars
+    for message in messages:
+        if left <= 0:
+            break
+        kept.append(message if len(message["content"]) <= left else {**message, "content": message["content"][:left]})
+        left -= len(message["content"])
+    return kept
+
+
+def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_length: int,
+                          max_chars: int | None = None) -> dict[str, Any]:
     """Token ids of the chat-rendered conversation and its loss mask, both of length <= max_length.
 
     Returns ``{"input_ids": list[int], "loss_mask": list[int], "unlocated_turns": int,
@@ -85,13 +106,17 @@ def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_lengt
     (:func:`_assistant_spans`). Offsets come from one tokenization of the full text, which is
     exactly what ``apply_chat_template(tokenize=True)`` produces; a token merged across the
     template/reply boundary is still placed, where diffing prefix tokenizations would disagree with
-    the full one. Needs a fast tokenizer (offset mapping).
+    the full one. Needs a fast tokenizer (offset mapping). Content past ``max_chars`` (default
+    :func:`char_budget`) is cut first: it cannot reach the first ``max_length`` tokens.
     """
+    budget = char_budget(tokenizer, max_length) if max_chars is None else max_chars
+    cut = sum(len(m["content"]) for m in messages) > budget
+    messages = cut_messages(messages, budget) if cut else messages
     text = _render(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])[:max_length]
     offsets = encoded["offset_mapping"]
-    truncated = len(offsets) > max_length
+    truncated = len(offsets) > max_length or cut
     # Characters from the first token cut by truncation on are never supervised.
     max_chars = offsets[max_length][0] if truncated else len(text) + 1
     spans, unlocated = _assistant_spans(messages, tokenizer, text, max_chars)
@@ -124,9 +149,10 @@ def _tokenize_batch(batch: dict[str, list[Any]], tokenizer: Any, max_length: int
     """
     columns = ("input_ids", "loss_mask", "problem", "unlocated", "truncated")
     out: dict[str, list[Any]] = {k: [] for k in columns}
+    max_chars = char_budget(tokenizer, max_length)  # once per batch: it reads the whole vocabulary
     for messages in batch["messages"]:
         try:
-            row = tokenize_conversation(messages, tokenizer, max_length)
+            row = tokenize_conversation(messages, tokenizer, max_length, max_chars)
         except Exception as e:  # the template refuses this conversation (e.g. roles out of order)
             row = {"input_ids": [], "loss_mask": [], "unlocated_turns": 0, "truncated": False}
             problem = f"chat template error: {type(e).__name__}: {e}"

@@ -21,7 +21,6 @@ training step.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash.modeling import text_config_of
+from dflash.modeling import cache_kwarg, text_config_of
 from dflash.runtime import init_distributed, load_target_config, load_tokenizer, target_location
 from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
 from dflash.tp_group import GroupBatchTarget
@@ -87,11 +86,6 @@ class _Taps(nn.Module):
         self.layers = nn.ModuleList(nn.Identity() for _ in range(num_layers))
 
 
-def _attention_cache_kwarg(layer: nn.Module) -> str:
-    """The attention module's KV-cache argument: `cache` in transformers 5.24, `past_key_values` in 5.17."""
-    return "cache" if "cache" in inspect.signature(layer.self_attn.forward).parameters else "past_key_values"
-
-
 class LockstepTarget(nn.Module):
     """An HF-causal-LM-shaped view of a `TensorParallelTarget` for batch-1 decoding, every rank of the
     group in lockstep (module doc). The leader (group rank 0) calls it like the HF model; the other
@@ -105,7 +99,7 @@ class LockstepTarget(nn.Module):
         self.is_leader = target.tp_rank == 0
         self.taps = _Taps(target.num_layers)
         decoder = target.model.get_decoder()
-        self._cache_kwarg = _attention_cache_kwarg(decoder.layers[0])
+        self._cache_kwarg = cache_kwarg(decoder.layers[0].self_attn.forward)
         self._sdpa = decoder.config._attn_implementation == "sdpa"  # flash kernels align causal bottom-right
         self._cache: ShardKVCache | None = None  # a follower's own cache
 

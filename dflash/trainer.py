@@ -25,11 +25,11 @@ import torch.distributed as dist
 from dflash.anchors import anchor_seed, anchor_widths
 from dflash.anchors import reseed as reseed_anchors
 from dflash.attention import resolve_attention
-from dflash.checkpoint import checkpoint_path, load_checkpoint, prepare_run_dir, resolve_resume, save_checkpoint, write_run_config
+from dflash.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
 from dflash.config import TrainConfig
 from dflash.console import ProgressBar, quiet_datasets, start_of_run
 from dflash.corpus import training_data
-from dflash.data import Collator, DataPosition, device_batches
+from dflash.data import Collator, DataPosition, device_batches, micro_batches
 from dflash.evaluate import held_out_speculative_eval
 from dflash.export import export_draft, load_exported
 from dflash.factory import build_objective, prepare_target
@@ -44,6 +44,7 @@ from dflash.optim import build_optimizer, lr_at
 from dflash.parallel import DataParallelDraft
 from dflash.preflight import check_dependencies
 from dflash.reporting import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
+from dflash.run_folder import RunFolder
 from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
 from dflash.state import (
     check_loaded_state,
@@ -125,8 +126,7 @@ class DFlashTrainer:
         self.optimizer = build_optimizer((p for p in self.draft.parameters() if p.requires_grad), config.optim,
                                          self.lr, capturable=config.cuda_graph)
         self.lr.copy_(self._lr_at(self.step_t))
-        if hasattr(self.objective, "bind_schedule"):  # Domino's lambda follows the device step counter
-            self.objective.bind_schedule(self.step_t, config.max_steps)
+        self.objective.bind_schedule(self.step_t, config.max_steps)  # Domino's lambda follows the device counter
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
         # Step-level values (grad norm, lr, skip counts) are the same on every rank and Metrics.flush sums
@@ -139,23 +139,15 @@ class DFlashTrainer:
         self.anchor_generator.manual_seed(anchor_seed(config.seed, rank, 0))
         self.graphs: StepGraphs | None = None  # the captured steps, one per batch shape (cuda_graph: true)
         self.graph_capture: Capture | None = None  # None: torch.cuda graphs (tests pass a stand-in)
+        self.history: list[dict[str, Any]] = []  # what `fit` logged and evaluated, also in metrics.jsonl
+        self.resumed: dict[str, Any] | None = None  # `state.resume_record` of the checkpoint `resume` loaded
+        self.saved_step: int | None = None  # the step last saved or resumed from (the last step is saved once)
+        self.data_fingerprint: str | None = None  # the training rows' content hash, saved with checkpoints
 
     def _lr_at(self, step: torch.Tensor) -> torch.Tensor:
         return lr_at(step, self.config.optim, self.config.max_steps)
 
     # ---- the step ---------------------------------------------------------------------------
-
-    def _micro_batches(self, batch: Batch | list[Batch]) -> list[Batch]:
-        if isinstance(batch, list):
-            return batch
-        n = self.config.optim.grad_accum
-        if batch["input_ids"].shape[0] % n:
-            raise ValueError(f"batch of {batch['input_ids'].shape[0]} rows does not split into grad_accum={n}")
-        # Every row tensor (ids, mask; offline features and labels) split by rows; the collator's anchor width
-        # (a host int) goes to each micro-batch.
-        parts = {k: v.chunk(n) for k, v in batch.items() if torch.is_tensor(v)}
-        width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}
-        return [{**{k: v[i] for k, v in parts.items()}, **width} for i in range(n)]
 
     def train_step(self, batch: Batch | list[Batch]) -> None:
         """One optimizer step over `grad_accum` micro-batches. Makes no host-device sync.
@@ -163,7 +155,7 @@ class DFlashTrainer:
         With `cuda_graph: true` the first call captures the whole step and later calls copy the batch
         into the graph's static inputs and replay it (shapes must repeat: fixed N, bucketed S).
         """
-        micro = self._micro_batches(batch)
+        micro = batch if isinstance(batch, list) else micro_batches(batch, self.config.optim.grad_accum)
         if self.config.cuda_graph:
             # Per-step reseeding is a host call a graph cannot capture: the anchor generator is registered
             # with every graph and advances on the device, and checkpoints keep its state for resume.
@@ -290,7 +282,7 @@ class DFlashTrainer:
         # wait so nobody reads a half save. The data's fingerprint and metrics.jsonl's length let a resume
         # refuse other data and drop the lines logged after this save.
         draft_state, state = self.draft_state_dict(), self.state_dict()
-        state.update(data_fingerprint=getattr(self, "data_fingerprint", None),
+        state.update(data_fingerprint=self.data_fingerprint,
                      metrics_bytes=history_size(self.config.output_dir))
         if self.rank == 0:
             path = save_checkpoint(self.config.output_dir, self.step, draft_state,
@@ -298,7 +290,7 @@ class DFlashTrainer:
             log.info("saved checkpoint %s", path)
         if self.world_size > 1:
             dist.barrier()
-        self._saved_step = self.step
+        self.saved_step = self.step
         return checkpoint_path(self.config.output_dir, self.step)
 
     def resume(self, path: str | Path) -> None:
@@ -309,7 +301,7 @@ class DFlashTrainer:
         check_loaded_state(path, self.draft, draft_state, state.get("optimizer", {}))  # before anything is loaded
         load_draft_state(self.draft, draft_state)
         self.load_state_dict(state)
-        self.resumed, self._saved_step = resume_record(path, state, self.config.output_dir), self.step
+        self.resumed, self.saved_step = resume_record(path, state, self.config.output_dir), self.step
         log.info("resumed from %s at step %d", path, self.step)
 
     # ---- the run ----------------------------------------------------------------------------
@@ -334,13 +326,19 @@ class DFlashTrainer:
 
         Returns a summary (final train metrics, held-out metrics, paths; `interrupted` and `signal` when
         SIGTERM / SIGINT stopped it, the step saved). Syncs happen only at the log flush, evaluation and
-        checkpoints. A damaged newest checkpoint is passed over, and what interrupted saves left is removed.
+        checkpoints. The run folder is claimed and locked first (`dflash.run_folder`); a damaged newest
+        checkpoint is passed over, and what this run's interrupted saves left is removed.
         """
         cfg = self.config
         start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
                      attention=resolve_attention(cfg.draft.attention, self.device))  # progress bars; rank 0's banner
-        run_dir = Path(cfg.output_dir)
-        prepare_run_dir(run_dir)  # writable? and what interrupted saves / deletions left (logged)
+        with RunFolder(cfg.output_dir, resume_from=cfg.resume_from, overwrite=cfg.overwrite_output_dir,
+                       rank=self.rank, world_size=self.world_size) as run_dir:
+            return self._fit(run_dir)
+
+    def _fit(self, run_dir: Path) -> dict[str, Any]:
+        """`fit` in its claimed, locked run folder."""
+        cfg = self.config
         resume = resolve_resume(cfg.resume_from, run_dir)  # `latest`: the newest intact checkpoint
         if resume is not None:
             self.resume(resume)
@@ -351,12 +349,10 @@ class DFlashTrainer:
         if eval_ds is not None and (warning := split_warning(len(train_ds), len(eval_ds))) and self.rank == 0:
             log.warning(warning)
         check_token_absent(train_ds, self.draft_config.mask_token_id, self.tokenizer)
-        resumed = getattr(self, "resumed", None)
-        self.data_fingerprint = check_training_data(corpus, cfg, resumed)  # refuses a resume on other data
+        self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
         write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
         reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0,
-                            resumed=resumed or {"step": self.step})  # drops lines logged past this step
-        self.history: list[dict[str, Any]] = []
+                            resumed=self.resumed or {"step": self.step})  # drops lines logged past this step
         batches = self._device_batches(train_ds)
         progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step",
                                enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it
@@ -397,7 +393,7 @@ class DFlashTrainer:
                                       self.world_size)
                 self._record(reporter, last)
             # The last step is saved once: not again when it was just saved, or resumed with no step left.
-            saved = getattr(self, "_saved_step", None) == self.step
+            saved = self.saved_step == self.step
             checkpoint = checkpoint_path(run_dir, self.step) if saved else self.save()
         finally:
             progress.close()

@@ -9,9 +9,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# One thread per process (the test's and every process it starts) unless a test says otherwise: the steps
+# here are tiny, and on shared CI cores torch's default thread count stalls in OpenMP (one test 54 s -> 2.8 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(1)  # also where the environment already set OMP_NUM_THREADS to more
 
 TINY_VOCAB = 128
 TINY_MASK_ID = TINY_VOCAB - 1
@@ -59,16 +64,6 @@ def random_batch(batch: int = 4, seq: int = 32, prompt: int = 4, seed: int = 0) 
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()
-
-
-@pytest.fixture
-def one_thread():
-    """The real model's steps here are tiny: one thread is as fast, and avoids OpenMP stalls (10x)
-    when other processes share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def continuation_batch(target, num_prompts: int = 8, prompt_len: int = 6, new_tokens: int = 26):

@@ -4,8 +4,11 @@ and under FSDP2 (`distributed: fsdp2`); 2-process CLI runs save, resume and expo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,3 +190,53 @@ def test_fsdp2_cli_run_saves_resumes_and_exports(tmp_path):
     assert load_file(str(run / "export" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     for name, w in straight_draft.items():
         assert torch.equal(exported[name], w.to(torch.bfloat16).float()), name
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while being read
+    return found
+
+
+def test_ranks_stop_and_save_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL to torchrun left both ranks training as orphans. Now the kernel sends each rank SIGTERM when
+    its launcher dies (`runtime.stop_with_launcher`): they stop together at the next flush and save."""
+    from test_cli import _args
+
+    from dflash.reporting import read_history
+
+    target = tmp_path / "target"
+    save_tiny_target(target)
+    out = tmp_path / "run"
+    args = _args(target, chat_data(tmp_path / "chats.jsonl"), out, "max_steps=100000", "spec_eval_prompts=0",
+                 "batch_size=2", "progress_bar=false", "log_interval=1")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", "-m", "dflash", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not read_history(out):  # both ranks are in the training loop
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        ranks = children(launcher.pid)
+        assert len(ranks) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 120
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks):
+            assert time.monotonic() < deadline, "the ranks trained on after their launcher died"
+            time.sleep(0.5)
+    finally:
+        for pid in ranks:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and summary["signal"] == "SIGTERM"
+    assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:08d}"

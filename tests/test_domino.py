@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,7 +24,7 @@ from dflash.domino import (
 )
 from dflash.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
 from dflash.factory import build_objective
-from dflash.losses import block_targets, domino_linear_cross_entropy
+from dflash.losses import BlockTargets, block_targets, domino_linear_cross_entropy
 from dflash.objective import DFlashObjective
 from dflash.target import FrozenTarget
 from dflash.trainer import DFlashTrainer
@@ -309,6 +310,17 @@ def test_scheduled_sampling_feeds_the_base_predictions_to_the_gru():
     none = _objective(domino__scheduled_sampling=0.0).train()
     _, _, _, plain = _plan(none, random_batch(seed=6))
     assert torch.equal(none.gru_tokens(ids, anchors, labels, plain, proposals), truth)
+
+
+def test_scheduled_sampling_without_the_plans_draw_is_refused():
+    """A draw from the global RNG (the old fallback for hand-built targets) is outside (seed, rank, step):
+    exact resume and graph replay would differ silently. Targets without the plan's `sampled` are refused."""
+    obj = _objective(domino__scheduled_sampling=0.5).train()
+    ids, anchors, keep, targets = _plan(obj, random_batch(seed=6))
+    hidden, labels = obj.draft_hidden(ids, anchors, keep, targets)
+    plain = BlockTargets(**{f.name: getattr(targets, f.name) for f in dataclasses.fields(BlockTargets)})
+    with pytest.raises(ValueError, match="needs targets from DominoObjective.plan"):
+        obj.gru_tokens(ids, anchors, labels, plain, obj.draft.proposal_states(hidden))
 
 
 def test_gru_reads_the_labels_and_the_data_where_unsupervised():

@@ -107,7 +107,7 @@ def test_conversion_race_keeps_the_first_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_converted_logits_equal_gguf_logits(target_dir, one_thread):
+def test_converted_logits_equal_gguf_logits(target_dir):
     """The conversion compared both models in-process (exactly) and kept the GGUF model's logits;
     the folder, loaded afresh, reproduces them (without loading the slow GGUF again)."""
     reference = load_file(target_dir / embedded.GGUF_REFERENCE)
@@ -120,7 +120,7 @@ def test_converted_logits_equal_gguf_logits(target_dir, one_thread):
 
 
 @pytest.mark.slow
-def test_load_embedded_target_dtype_and_mode(one_thread):
+def test_load_embedded_target_dtype_and_mode():
     model, tokenizer = load_embedded_target(dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and not model.training
     assert model.get_input_embeddings().weight.shape == (49152, 576)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from conftest import make_tiny_target, random_batch, tiny_config
-from dflash.anchors import anchor_seed
+from dflash.anchors import anchor_seed, sample_anchors
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.data import Collator
@@ -215,6 +215,14 @@ def test_loss_normalization_over_gradient_accumulation(tmp_path, trainer_cls):
     module = _module()
     start = copy.deepcopy(module.draft.state_dict())
     capture = _GradCapture(module)
+    drawn, plan = [], module.plan
+
+    def recording_plan(input_ids, loss_mask):
+        out = plan(input_ids, loss_mask)
+        drawn.append(out[0].clone())
+        return out
+
+    module.plan = recording_plan
     _train(tmp_path, module, trainer_cls=trainer_cls, callbacks=[DFlashCallback(module), capture],
            rows=[long_row, short_row], collator=recording, max_steps=1, per_device_train_batch_size=1,
            gradient_accumulation_steps=2, max_grad_norm=0.0, save_strategy="no")
@@ -228,14 +236,21 @@ def test_loss_normalization_over_gradient_accumulation(tmp_path, trainer_cls):
     for name, grad in capture.grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-7, msg=name)
     assert any(not torch.allclose(other[n], g, rtol=1e-3, atol=1e-6) for n, g in capture.grads.items())
-    assert anchor_seed(0, 0, 0) != anchor_seed(0, 0, 1)  # the two micro-batches drew different anchors
+    # Micro-batch i drew its anchors from (seed, rank, micro_step i): not one stream, not the step's seed
+    # (`seed` is TrainingArguments'.)
+    def draw(batch, micro_step):
+        generator = torch.Generator().manual_seed(anchor_seed(module.seed, 0, micro_step))
+        return sample_anchors(batch["loss_mask"], module.objective.num_anchors, generator=generator)[0]
+
+    assert all(torch.equal(anchors, draw(batch, i)) for i, (batch, anchors) in enumerate(zip(window, drawn[:2], strict=True)))
+    assert not torch.equal(drawn[0], draw(window[0], 1))  # the long row has more positions than anchors
 
 
 def test_schedule_step_tensor_is_bound_and_advanced_on_the_device(tmp_path, monkeypatch):
     module = _module()
     bound = {}
     monkeypatch.setattr(module.objective, "bind_schedule",
-                        lambda step_t, max_steps: bound.update(step_t=step_t, max_steps=max_steps), raising=False)
+                        lambda step_t, max_steps: bound.update(step_t=step_t, max_steps=max_steps))
     callback, probe = DFlashCallback(module), SyncProbe()
     _train(tmp_path, module, callbacks=[callback, probe], max_steps=8, save_strategy="no")
     assert bound["max_steps"] == 8 and bound["step_t"] is callback.step_t

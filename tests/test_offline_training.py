@@ -54,7 +54,7 @@ def _train(trainer: DFlashTrainer, batches: list[dict]) -> list[float]:
 
 
 @pytest.mark.parametrize("labels", ["data", "target"])
-def test_offline_training_equals_online_step_for_step(labels, tokenizer, tmp_path, one_thread):
+def test_offline_training_equals_online_step_for_step(labels, tokenizer, tmp_path):
     """Same seed, same rows in the same batches (grad_accum 2, so the features are split into micro-batches
     too): the losses and the final weights of a run from fp32 feature files equal the online run's."""
     model, rows = make_tiny_target(head_std=0.05), make_rows()
@@ -118,12 +118,22 @@ def test_features_command_writes_what_train_trains_from(feature_dir, tiny_target
         raise AssertionError("a run from offline features loaded the target model")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_trunk)
+    evaluated, evaluate = [], DFlashTrainer.evaluate
+
+    def recording_evaluate(self, dataset, **kwargs):
+        evaluated.append(dataset)
+        return evaluate(self, dataset, **kwargs)
+
+    monkeypatch.setattr(DFlashTrainer, "evaluate", recording_evaluate)
     out = tmp_path / "run"
     assert main(["train", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={feature_dir}",
                                      f"output_dir={out}", "max_steps=4")]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["train"]["loss"] > 0
-    assert summary["held_out"]["tau"] >= 1.0  # the held-out part's features
+    # The held-out figures come from the held-out part's features, not the training part's.
+    assert evaluated and all(ds[0]["input_ids"].tolist() == held_out[0]["input_ids"].tolist() and len(ds) == len(held_out)
+                             for ds in evaluated)
+    assert train[0]["input_ids"].tolist() != held_out[0]["input_ids"].tolist() and len(train) != len(held_out)
     assert (out / "export" / "model.safetensors").exists()
     # The export names the held-out split the feature folder recorded: `dflash eval` decodes those prompts.
     recorded = json.loads((out / "export" / "config.json").read_text())["dflash_config"]["held_out_split"]

@@ -214,7 +214,7 @@ def test_a_batch_out_of_memory_is_answered_in_halves(tmp_path, tokenizer, monkey
 
 
 @pytest.mark.slow
-def test_real_target_stops_at_end_of_turn_and_answers_turns_in_sequence(tmp_path, tokenizer, one_thread):
+def test_real_target_stops_at_end_of_turn_and_answers_turns_in_sequence(tmp_path, tokenizer):
     model, _ = load_embedded_target()
     two_turns = {
         "messages": [
