@@ -16,9 +16,9 @@ _LAZY = {
     "sample_anchors": "dflash.anchors",
     "DFlashDraftConfig": "dflash.modeling",
     "DFlashDraftModel": "dflash.modeling",
-    "FrozenTarget": "dflash.target",
-    "TensorParallelTarget": "dflash.tensor_parallel",
-    "GroupBatchTarget": "dflash.tp_group",
+    "FrozenTarget": "dflash.target.frozen",
+    "TensorParallelTarget": "dflash.target.tensor_parallel",
+    "GroupBatchTarget": "dflash.target.tp_group",
     "TrainConfig": "dflash.config",
     "DFlashTrainer": "dflash.trainer",
     "forbid_syncs": "dflash.diagnostics",
@@ -34,6 +34,6 @@ def __getattr__(name: str) -> Any:
 
 
 # In a notebook with no logging configured, dflash's progress lines (regeneration, training, evaluation)
-# are shown in the cells; Python would print warnings only (`dflash.console.show_logs_in_notebook`).
+# are shown in the cells; Python would print warnings only (`dflash.report.console.show_logs_in_notebook`).
 if "IPython" in sys.modules:
-    importlib.import_module("dflash.console").show_logs_in_notebook()
+    importlib.import_module("dflash.report.console").show_logs_in_notebook()

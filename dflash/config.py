@@ -104,7 +104,7 @@ class DataSettings:
     features: str | None = None
 
     def held_out_split(self) -> dict[str, Any]:
-        """The settings that decide which conversations are held out (`dflash.corpus.held_out_conversations`
+        """The settings that decide which conversations are held out (`dflash.data.corpus.held_out_conversations`
         reads them back): an export records them so `dflash eval` decodes its run's held-out prompts."""
         return {key: getattr(self, key) for key in HELD_OUT_SPLIT_KEYS}
 

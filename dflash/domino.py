@@ -75,7 +75,7 @@ from dflash.losses import (
 )
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import BlockOutput, DFlashObjective
-from dflash.target import FrozenTarget
+from dflash.target.frozen import FrozenTarget
 
 PROJECTOR_TYPE = "domino"
 DOMINO_WEIGHT_NAMES = frozenset(

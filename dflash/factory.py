@@ -20,11 +20,9 @@ from torch import nn
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.corpus import prepare_corpus
-from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, is_domino
-from dflash.embedded import EMBEDDED_MASK_TOKEN
-from dflash.feature_data import check_run_features
-from dflash.features import (
+from dflash.data.corpus import prepare_corpus
+from dflash.data.feature_data import check_run_features
+from dflash.data.features import (
     HELD_OUT_PART,
     TRAIN_PART,
     dtype_name,
@@ -33,14 +31,16 @@ from dflash.features import (
     write_features,
     write_split_record,
 )
+from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, is_domino
+from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
-from dflash.offline_target import OfflineTarget
 from dflash.runtime import load_target, load_target_config, load_tokenizer, resolve_device, resolve_dtype, target_location
-from dflash.target import FrozenTarget, resolve_mask_token_id
-from dflash.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
-from dflash.tp_group import GroupBatchTarget
-from dflash.tp_overlap import schedule_for
+from dflash.target.frozen import FrozenTarget, resolve_mask_token_id
+from dflash.target.offline import OfflineTarget
+from dflash.target.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
+from dflash.target.tp_group import GroupBatchTarget
+from dflash.target.tp_overlap import schedule_for
 
 log = logging.getLogger("dflash")
 
@@ -204,7 +204,7 @@ def objective_for(config: TrainConfig, target: nn.Module, draft: nn.Module, *, d
 
 def write_run_features(config: TrainConfig, *, target: Any = None, tokenizer: Any = None) -> dict[str, Path]:
     """`dflash features`: the target's features of a run's rows, written once to `data.features`; the part
-    folders written ({"train": DIR/train, "held_out": DIR/held_out}, `dflash.features`).
+    folders written ({"train": DIR/train, "held_out": DIR/held_out}, `dflash.data.features`).
 
     The rows are the run's own: the corpus prepared as `dflash train` prepares it (regeneration, tokenization,
     held-out split; `corpus.prepare_corpus`), the features those of the draft's `target_layer_ids` in the run's

@@ -1,7 +1,7 @@
 """The block objective: frozen target + trainable draft -> weighted block CE for one micro-batch.
 
 `DFlashObjective` is the piece every entry point shares: `DFlashTrainer.train_step`, the
-`transformers.Trainer` module (`dflash.hf`) and evaluation. It owns the frozen target, the draft,
+`transformers.Trainer` module (`dflash.hf.trainer`) and evaluation. It owns the frozen target, the draft,
 how blocks are built and how their loss is computed; the trainer owns the loop and the optimizer. The
 target's features come from its forward or, under `data.features`, with the batch (`target_outputs`).
 """
@@ -27,7 +27,7 @@ from dflash.losses import (
 )
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
-from dflash.target import FrozenTarget
+from dflash.target.frozen import FrozenTarget
 
 
 @dataclass
@@ -113,7 +113,7 @@ class DFlashObjective(nn.Module):
     def target_outputs(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
                        labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's features `[B, S, K*H]` (no grad) and, under `labels: target`, its greedy next tokens
-        `[B, S]` (else None): the batch's own when it brings them (offline features, `dflash.feature_data`:
+        `[B, S]` (else None): the batch's own when it brings them (offline features, `dflash.data.feature_data`:
         `features`, and `labels` written by the same target), else computed by running the frozen target."""
         if features is None:
             if self.labels == "target":

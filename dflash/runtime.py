@@ -135,7 +135,7 @@ def init_distributed() -> tuple[int, int]:
 
 def stop_with_launcher() -> None:
     """Have the kernel send this process SIGTERM when its parent, the launcher (torchrun), dies, even by
-    SIGKILL: the ranks then stop together at the next log flush and save (`dflash.stopping`), instead of
+    SIGKILL: the ranks then stop together at the next log flush and save (`dflash.run.stopping`), instead of
     training on as orphans. A parent already gone (the process was reparented to init) stops it now.
     Linux only (prctl); elsewhere nothing changes."""
     if not sys.platform.startswith("linux"):

@@ -25,28 +25,28 @@ import torch.distributed as dist
 from dflash.anchors import anchor_seed, anchor_widths
 from dflash.anchors import reseed as reseed_anchors
 from dflash.attention import resolve_attention
-from dflash.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
 from dflash.config import TrainConfig
-from dflash.console import ProgressBar, quiet_datasets, start_of_run
-from dflash.corpus import training_data
-from dflash.data import Collator, DataPosition, device_batches, micro_batches
-from dflash.evaluate import held_out_speculative_eval
-from dflash.export import export_draft, load_exported
+from dflash.data.corpus import training_data
+from dflash.data.feature_data import FeatureCollator, batch_collator
+from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches
+from dflash.data.tokenization import check_token_absent
+from dflash.evaluation.evaluate import held_out_speculative_eval
+from dflash.evaluation.export import export_draft, load_exported
+from dflash.evaluation.held_out import held_out_metrics, output_rows
 from dflash.factory import build_objective, prepare_target
-from dflash.feature_data import FeatureCollator, batch_collator
-from dflash.graphs import Capture, StepGraphs, cuda_graph_capture, warm_up_and_restore
-from dflash.held_out import held_out_metrics, output_rows
 from dflash.losses import window_loss_scale
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel, allow_compiled_shapes
 from dflash.objective import DFlashObjective
 from dflash.optim import build_optimizer, lr_at
-from dflash.parallel import DataParallelDraft
 from dflash.preflight import check_dependencies
-from dflash.reporting import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
-from dflash.run_folder import RunFolder
-from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
-from dflash.state import (
+from dflash.report.console import ProgressBar, quiet_datasets, start_of_run
+from dflash.report.sinks import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
+from dflash.run.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
+from dflash.run.data_parallel import DataParallelDraft
+from dflash.run.folder import RunFolder
+from dflash.run.graphs import Capture, StepGraphs, cuda_graph_capture, warm_up_and_restore
+from dflash.run.state import (
     check_loaded_state,
     check_resume_config,
     check_training_data,
@@ -60,8 +60,8 @@ from dflash.state import (
     resume_record,
     rng_state,
 )
-from dflash.stopping import NonFiniteError, NonFiniteWatch, StopRequest
-from dflash.tokenization import check_token_absent
+from dflash.run.stopping import NonFiniteError, NonFiniteWatch, StopRequest
+from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
 
 Batch = dict[str, torch.Tensor]
 log = logging.getLogger("dflash")
@@ -233,7 +233,7 @@ class DFlashTrainer:
     # ---- evaluation (a sync point by design) ------------------------------------------------
 
     def evaluate(self, dataset: Any, *, max_batches: int | None = None) -> dict[str, Any]:
-        """Teacher-forced held-out metrics and the decode-chain estimate of real tau (`dflash.held_out`),
+        """Teacher-forced held-out metrics and the decode-chain estimate of real tau (`dflash.evaluation.held_out`),
         the chain capped at `spec_eval_max_new_tokens`. A SYNC POINT."""
         return held_out_metrics(self.objective, dataset, self._collator(), batch_size=self.config.batch_size,
                                 device=self.device, max_new_tokens=self.config.spec_eval_max_new_tokens,
@@ -295,7 +295,7 @@ class DFlashTrainer:
 
     def resume(self, path: str | Path) -> None:
         """Continue from checkpoint `path`; refused when a run-defining setting differs, every accepted change
-        logged (`dflash.state`). `fit` then checks the training data against the fingerprint saved with it."""
+        logged (`dflash.run.state`). `fit` then checks the training data against the fingerprint saved with it."""
         draft_state, _, state = load_checkpoint(path, self.device)  # weights_only: no code runs
         check_resume_config(path, state.get("config", {}), self.config.to_dict())
         check_loaded_state(path, self.draft, draft_state, state.get("optimizer", {}))  # before anything is loaded
@@ -326,7 +326,7 @@ class DFlashTrainer:
 
         Returns a summary (final train metrics, held-out metrics, paths; `interrupted` and `signal` when
         SIGTERM / SIGINT stopped it, the step saved). Syncs happen only at the log flush, evaluation and
-        checkpoints. The run folder is claimed and locked first (`dflash.run_folder`); a damaged newest
+        checkpoints. The run folder is claimed and locked first (`dflash.run.folder`); a damaged newest
         checkpoint is passed over, and what this run's interrupted saves left is removed.
         """
         cfg = self.config
@@ -424,7 +424,7 @@ class DFlashTrainer:
     def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None, *,
                          draft: torch.nn.Module | None = None) -> dict[str, Any] | None:
         """SYNC POINT: real speculative decoding on held-out prompts (tau, per-position acceptance, speed-up;
-        `dflash.evaluate.held_out_speculative_eval`): the report on rank 0, None on the other ranks, so call it
+        `dflash.evaluation.evaluate.held_out_speculative_eval`): the report on rank 0, None on the other ranks, so call it
         on every rank. `draft` defaults to the trained draft; under FSDP2 pass `consolidated_draft()` (sharded
         weights cannot run in one process alone). One process: with `teacher_forced_chain_tau`."""
         if draft is None and self.fsdp and self.rank == 0:  # the other ranks report nothing (None)

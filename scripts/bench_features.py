@@ -1,8 +1,8 @@
 """Read throughput of the two candidate storage formats for offline target features, on the CPU.
 
 Writes the same random rows (default: 2,000 rows x 256 tokens x 2x576 bf16, the embedded target's
-feature shapes) as (a) dflash's safetensors shards (`dflash.features.save_shard`, read through
-`dflash.feature_data.FeatureDataset`: memory-mapped `safe_open` slices) and (b) Arrow through
+feature shapes) as (a) dflash's safetensors shards (`dflash.data.features.save_shard`, read through
+`dflash.data.feature_data.FeatureDataset`: memory-mapped `safe_open` slices) and (b) Arrow through
 `datasets` (`Dataset.from_dict(...).save_to_disk`, then `load_from_disk`, memory-mapped; bf16 kept as
 its uint16 bits, Arrow has no bfloat16, and read zero-copy through pyarrow), then reads every row once
 in a shuffled order (as training does) into a bf16 torch tensor and reports MB/s (feature bytes) and
@@ -26,8 +26,8 @@ import datasets
 import numpy as np
 import torch
 
-from dflash.feature_data import FeatureDataset
-from dflash.features import FORMAT_VERSION, MANIFEST, save_shard, shard_name, shard_tensors
+from dflash.data.feature_data import FeatureDataset
+from dflash.data.features import FORMAT_VERSION, MANIFEST, save_shard, shard_name, shard_tensors
 
 
 def make_rows(num_rows: int, tokens: int, dim: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

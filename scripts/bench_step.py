@@ -117,7 +117,7 @@ class RandomFeatureTarget(nn.Module):
 def smollm2_target(device: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.target import FrozenTarget
+    from dflash.target.frozen import FrozenTarget
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=49_152, max_position_embeddings=8192, tie_word_embeddings=True,

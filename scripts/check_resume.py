@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from check_sync_free import config, rows, tiny_llama  # noqa: E402
 
-from dflash.reporting import read_history  # noqa: E402
+from dflash.report.sinks import read_history  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
 

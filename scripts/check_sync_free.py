@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
-from dflash.data import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
+from dflash.data.loader import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402

@@ -2,7 +2,7 @@
 
 Each variant is `dflash train` with a few overrides (the embedded default's preset fills the rest);
 the target is loaded once and shared, so one flex-attention compile serves every variant. After
-each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ (dflash.chain), and real
+each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ (dflash.evaluation.chain), and real
 τ from lossless speculative decoding of the held-out prompts. Ends with one summary line.
 
     python scripts/compare_recipes.py --steps 1500

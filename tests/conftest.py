@@ -69,7 +69,7 @@ def tiny_target():
 def continuation_batch(target, num_prompts: int = 8, prompt_len: int = 6, new_tokens: int = 26):
     """Rows of random prompts followed by the target's own greedy continuations (a draft can learn
     their cycles quickly); loss_mask covers the continuations."""
-    from dflash.speculative import target_generate
+    from dflash.evaluation.speculative import target_generate
 
     g = torch.Generator().manual_seed(123)
     prompts = [torch.randint(0, 100, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]

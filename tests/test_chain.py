@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import continuation_batch, make_tiny_target, train_on_continuations
-from dflash import speculative as sp
-from dflash.chain import chain_tau_sums, reply_spans
+from dflash.evaluation import speculative as sp
+from dflash.evaluation.chain import chain_tau_sums, reply_spans
 
 
 def test_reply_spans():

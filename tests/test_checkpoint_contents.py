@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_reliability import fresh_trainer, run_config
 
-from dflash.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from dflash.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def _edit_and_resave(run, edit) -> None:

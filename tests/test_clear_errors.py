@@ -14,14 +14,14 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import TINY_MASK_ID, make_tiny_target
-from dflash.checkpoint import save_checkpoint
-from dflash.cli import main
+from dflash.cli.main import main
+from dflash.data.features import save_shard
+from dflash.data.sources import load_conversations
+from dflash.data.tokenization import char_budget, tokenize_conversation
 from dflash.embedded import embedded_target_dir
-from dflash.export import WEIGHTS_NAME, export_draft, load_exported
-from dflash.features import save_shard
+from dflash.evaluation.export import WEIGHTS_NAME, export_draft, load_exported
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
-from dflash.sources import load_conversations
-from dflash.tokenization import char_budget, tokenize_conversation
+from dflash.run.checkpoint import save_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import pytest
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.cli import main
+from dflash.cli.dry_run import plan
+from dflash.cli.main import main
 from dflash.config import TrainConfig
-from dflash.corpus import training_data
-from dflash.evaluate import eval_conversations
+from dflash.data.corpus import training_data
+from dflash.evaluation.evaluate import eval_conversations
 from dflash.factory import build_draft
-from dflash.plan import plan
-from dflash.reporting import read_history
+from dflash.report.sinks import read_history
 from dflash.runtime import shutdown_distributed
 
 
@@ -91,8 +91,8 @@ def test_dry_run_prints_the_plan(tiny_target_dir, conversations_file, capsys):
 
 
 def test_config_command_lists_every_key_with_default_type_and_meaning(capsys):
+    from dflash.cli.config_keys import key_table
     from dflash.config import _keys
-    from dflash.config_keys import key_table
 
     assert main(["config"]) == 0
     out = capsys.readouterr().out
@@ -385,7 +385,7 @@ class _Case:
 
     def resume(self, *extra: str, write=None) -> list[str]:
         if write is not None:
-            import dflash.checkpoint as ck
+            import dflash.run.checkpoint as ck
 
             self.monkeypatch.setattr(ck, "_write", write)
         return _args(self.target, self.data, self.run, "save_interval=2", "spec_eval_prompts=0",

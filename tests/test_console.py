@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import dflash.console as console
+import dflash.report.console as console
 from conftest import make_tiny_target, tiny_config
 from dflash.config import TrainConfig
+from dflash.data.regenerate import regenerate
 from dflash.embedded import embedded_target_dir
-from dflash.regenerate import regenerate
-from dflash.speculative import evaluate_speculative
+from dflash.evaluation.speculative import evaluate_speculative
 from dflash.trainer import DFlashTrainer
 
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import dflash.corpus as corpus
+import dflash.data.corpus as corpus
 from dflash.config import DataSettings, TrainConfig
-from dflash.corpus import first_prompt_id, split_held_out
+from dflash.data.corpus import first_prompt_id, split_held_out
 
 
 def conv(cid: str, *users: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.data import Collator, DevicePrefetcher, make_dataloader
+from dflash.data.loader import Collator, DevicePrefetcher, make_dataloader
 
 
 def test_collator_pads_to_buckets():

@@ -61,7 +61,7 @@ def test_two_process_cli_run_resumes(tmp_path):
     """`accelerate launch -m dflash train` on 2 CPU processes, then a resume to more steps."""
     from test_cli import _args  # the tiny-target CLI arguments
 
-    from dflash.reporting import read_history
+    from dflash.report.sinks import read_history
 
     target = tmp_path / "target"
     save_tiny_target(target)
@@ -155,9 +155,9 @@ def test_fsdp2_cli_run_saves_resumes_and_exports(tmp_path):
     from safetensors.torch import load_file
     from test_cli import _args
 
-    from dflash.checkpoint import load_checkpoint
-    from dflash.export import load_exported
-    from dflash.reporting import read_history
+    from dflash.evaluation.export import load_exported
+    from dflash.report.sinks import read_history
+    from dflash.run.checkpoint import load_checkpoint
 
     target = tmp_path / "target"
     save_tiny_target(target)
@@ -209,7 +209,7 @@ def test_ranks_stop_and_save_when_the_launcher_is_killed(tmp_path):
     its launcher dies (`runtime.stop_with_launcher`): they stop together at the next flush and save."""
     from test_cli import _args
 
-    from dflash.reporting import read_history
+    from dflash.report.sinks import read_history
 
     target = tmp_path / "target"
     save_tiny_target(target)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from conftest import TINY_VOCAB, continuation_batch, make_tiny_target, random_batch, tiny_config
-from dflash import speculative as sp
 from dflash.anchors import sample_anchors
 from dflash.diagnostics import forbid_syncs
 from dflash.domino import (
@@ -22,11 +21,12 @@ from dflash.domino import (
     DominoTargets,
     domino_propose,
 )
-from dflash.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
+from dflash.evaluation import speculative as sp
+from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
 from dflash.factory import build_objective
 from dflash.losses import BlockTargets, block_targets, domino_linear_cross_entropy
 from dflash.objective import DFlashObjective
-from dflash.target import FrozenTarget
+from dflash.target.frozen import FrozenTarget
 from dflash.trainer import DFlashTrainer
 
 BS = 4

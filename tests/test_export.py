@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from conftest import TINY_MASK_ID, make_tiny_target
-from dflash.export import (
+from dflash.evaluation.export import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_compatible,

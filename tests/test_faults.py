@@ -4,7 +4,7 @@ Each drill chain trains one run folder to step 12 (saves every 3 steps, a log li
 epoch ends at step 10) through a sequence of faults, each followed by a launch with `resume_from=latest`:
 
 - SIGKILL at named points of a save, a re-save and a deletion (the `DFLASH_FAULT` hook of
-  dflash.checkpoint), including inside the final save and during pruning;
+  dflash.run.checkpoint), including inside the final save and during pruning;
 - SIGKILL at random moments (seeded delays);
 - SIGTERM / SIGINT to the whole process group with DataLoader workers on, at random moments and
   inside a save (what `scancel`, preemption, `systemctl stop` and Ctrl-C send);
@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import chat_file, save_tiny_target
-from dflash.cli import main
+from dflash.cli.main import main
 
 MAX_STEPS, SAVE_EVERY, LOG_EVERY = 12, 3, 2
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
@@ -176,7 +176,7 @@ def weights_at(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def newest_intact(run: Path, reference: Path) -> int:
-    """Independent of dflash.checkpoint: the highest step whose folder has a COMPLETE marker, weights and
+    """Independent of dflash.run.checkpoint: the highest step whose folder has a COMPLETE marker, weights and
     trainer state that load, and weights equal to the uninterrupted run's at that step (0: none)."""
     for folder in sorted((run / "checkpoints").glob("step-*"), reverse=True):
         try:

@@ -14,17 +14,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import dflash.features as features_module
-import dflash.offline_target as offline_module
+import dflash.data.features as features_module
+import dflash.target.offline as offline_module
 from conftest import make_tiny_target
-from dflash.data import Collator
+from dflash.data.feature_data import FeatureCollator, FeatureDataset, check_manifest, read_manifest
+from dflash.data.features import MANIFEST, PARTIAL, estimate_bytes, write_features
+from dflash.data.loader import Collator
+from dflash.data.tokenization import check_token_absent
 from dflash.embedded import embedded_target_dir
-from dflash.feature_data import FeatureCollator, FeatureDataset, check_manifest, read_manifest
-from dflash.features import MANIFEST, PARTIAL, estimate_bytes, write_features
-from dflash.offline_target import OfflineTarget, load_head_and_embedding
-from dflash.state import data_fingerprint
-from dflash.target import FrozenTarget
-from dflash.tokenization import check_token_absent
+from dflash.run.state import data_fingerprint
+from dflash.target.frozen import FrozenTarget
+from dflash.target.offline import OfflineTarget, load_head_and_embedding
 
 LAYERS = [0, 2]
 MAX_LENGTH = 24

@@ -16,14 +16,21 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed, sample_anchors
-from dflash.cli import main
+from dflash.cli.main import main
 from dflash.config import TrainConfig
-from dflash.data import Collator
+from dflash.data.loader import Collator
 from dflash.diagnostics import DFlashSyncWarning, SyncProbe, per_step_sync_settings
-from dflash.export import load_exported
-from dflash.hf import EXPORT_DIRNAME, TRAINER_DRAFT_NAME, DFlashCallback, DFlashHFTrainer, DFlashTrainingModule, config_conflicts
+from dflash.evaluation.export import load_exported
+from dflash.hf.trainer import (
+    EXPORT_DIRNAME,
+    TRAINER_DRAFT_NAME,
+    DFlashCallback,
+    DFlashHFTrainer,
+    DFlashTrainingModule,
+    config_conflicts,
+)
 from dflash.metrics import Metrics
-from dflash.reporting import read_history
+from dflash.report.sinks import read_history
 
 
 def _module(**overrides) -> DFlashTrainingModule:
@@ -83,7 +90,7 @@ def test_trainer_run_trains_the_draft_logs_at_log_steps_and_exports_at_save_step
     assert logged[-1]["loss"] < 0.85 * logged[0]["loss"]
     assert logged[0]["dflash_loss"] == pytest.approx(logged[0]["loss"], rel=0.05)  # one micro-batch per step
 
-    # metrics.jsonl in DFlashTrainer's format (what dflash.plot reads).
+    # metrics.jsonl in DFlashTrainer's format (what dflash.report.plot reads).
     history = read_history(tmp_path)
     assert [h["step"] for h in history if "tau" in h] == [4, 8, 12]
     assert [h["step"] for h in history if "eval_tau" in h] == [6, 12]

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from conftest import TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_widths, bounded_width, valid_anchor_mask
-from dflash.data import Collator
+from dflash.data.loader import Collator
 from dflash.diagnostics import forbid_syncs
 from dflash.factory import build_objective
-from dflash.graphs import StepGraphs
 from dflash.losses import block_targets
+from dflash.run.graphs import StepGraphs
 from dflash.trainer import DFlashTrainer
 
 N = 8  # tiny_config's num_anchors

@@ -13,7 +13,7 @@ from dflash.anchors import sample_anchors
 from dflash.losses import accepted_prefix_length, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_target_layer_ids
-from dflash.target import FrozenTarget, resolve_mask_token_id
+from dflash.target.frozen import FrozenTarget, resolve_mask_token_id
 from dflash.trainer import DFlashTrainer
 
 # ---- labels and weights ----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """examples/finetune.ipynb runs top to bottom (tiny configuration), with plain json + exec; the
-plot helper it uses (dflash.plot) writes its PNGs.
+plot helper it uses (dflash.report.plot) writes its PNGs.
 
 The notebook reads its parameters from the environment (`DFLASH_NOTEBOOK_TINY=1`: a random
 2-layer target over SmolLM2's tokenizer, a few prompts, 6 steps). Running this file as a script
@@ -113,7 +113,7 @@ def _history(logs: int = 5, bs: int = 4) -> list[dict[str, Any]]:
 
 def test_plot_run_writes_the_pngs_of_a_run_folder(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
-    from dflash.plot import history_figures, plot_run
+    from dflash.report.plot import history_figures, plot_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -139,7 +139,7 @@ def test_plot_run_writes_the_pngs_of_a_run_folder(tmp_path):
 
 
 def test_plot_run_refuses_a_folder_without_history(tmp_path):
-    from dflash.plot import plot_run
+    from dflash.report.plot import plot_run
 
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_run(tmp_path)

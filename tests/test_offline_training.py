@@ -14,16 +14,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash.factory as factory_module
 from conftest import make_tiny_target, tiny_config
-from dflash.cli import main
+from dflash.cli.main import main
 from dflash.config import TrainConfig
-from dflash.corpus import training_data
+from dflash.data.corpus import training_data
+from dflash.data.feature_data import FeatureDataset
+from dflash.data.features import HELD_OUT_PART, MANIFEST, TRAIN_PART, write_features
 from dflash.diagnostics import forbid_syncs
 from dflash.embedded import embedded_target_dir
-from dflash.feature_data import FeatureDataset
-from dflash.features import HELD_OUT_PART, MANIFEST, TRAIN_PART, write_features
-from dflash.hf_module import DFlashTrainingModule
-from dflash.offline_target import OfflineTarget
-from dflash.target import FrozenTarget
+from dflash.hf.module import DFlashTrainingModule
+from dflash.target.frozen import FrozenTarget
+from dflash.target.offline import OfflineTarget
 from dflash.trainer import DFlashTrainer
 
 STEPS = 4

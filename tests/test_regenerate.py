@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import dflash.corpus as corpus
-import dflash.regenerate as regen
+import dflash.data.corpus as corpus
+import dflash.data.regenerate as regen
 from dflash.config import DataSettings, TrainConfig
+from dflash.data.regenerate import prompt_id, prompt_turns, regenerate, stop_token_ids
+from dflash.data.sources import load_conversations
+from dflash.data.tokenization import tokenize_conversation
 from dflash.embedded import cache_root, embedded_target_dir, load_embedded_target
-from dflash.regenerate import prompt_id, prompt_turns, regenerate, stop_token_ids
-from dflash.sources import load_conversations
-from dflash.tokenization import tokenize_conversation
 
 CONVERSATIONS = [
     {

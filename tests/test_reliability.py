@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
-from dflash.checkpoint import find_latest, load_checkpoint
-from dflash.reporting import read_history
-from dflash.stopping import NonFiniteError
+from dflash.report.sinks import read_history
+from dflash.run.checkpoint import find_latest, load_checkpoint
+from dflash.run.stopping import NonFiniteError
 from dflash.trainer import DFlashTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_resume_restores_the_anchor_generator(tmp_path):
 
 def test_sigkill_during_a_save_loses_nothing_before_it(tmp_path, caplog):
     """A child process is SIGKILLed in the middle of writing its 3rd checkpoint (the crash-injection hook
-    of dflash.checkpoint: the 8th file a save writes is the 2nd of the 3rd checkpoint)."""
+    of dflash.run.checkpoint: the 8th file a save writes is the 2nd of the 3rd checkpoint)."""
     child = textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
@@ -185,8 +185,8 @@ class _Crash(Exception):
 
 
 def _crash_at(monkeypatch, point: str) -> None:
-    """Make dflash.checkpoint stop at a named point as a kill would (nothing after it runs)."""
-    import dflash.checkpoint as ck
+    """Make dflash.run.checkpoint stop at a named point as a kill would (nothing after it runs)."""
+    import dflash.run.checkpoint as ck
 
     def fault(name: str) -> None:
         if name == point:
@@ -201,7 +201,7 @@ def test_saving_a_step_again_never_leaves_it_without_a_complete_copy(tmp_path, m
     """Re-saving an existing step (a resume from an older checkpoint reaches it again) renames the old copy
     aside and deletes it only once the new one is in place; interrupted anywhere, the next start has a
     complete checkpoint of that step (the old copy put back, or the new one)."""
-    from dflash.checkpoint import damage, prepare_run_dir, save_checkpoint
+    from dflash.run.checkpoint import damage, prepare_run_dir, save_checkpoint
 
     def save(value: float):
         save_checkpoint(tmp_path, 3, {"w": torch.full((4,), value)}, {"kind": "x"}, {"step": 3}, keep_last=1)
@@ -222,7 +222,7 @@ def test_saving_a_step_again_never_leaves_it_without_a_complete_copy(tmp_path, m
 def test_a_save_killed_before_it_moved_latest_is_still_the_newest(tmp_path, monkeypatch):
     """The newest checkpoint is the last save completed (a counter in COMPLETE), not the one `latest`
     names: a kill between the rename and the pointer update must not send the resume back a save."""
-    import dflash.checkpoint as ck
+    import dflash.run.checkpoint as ck
 
     ck.save_checkpoint(tmp_path, 3, {"w": torch.ones(2)}, {}, {"step": 3}, keep_last=2)
     _crash_at(monkeypatch, "save-installed")
@@ -235,7 +235,7 @@ def test_a_save_killed_before_it_moved_latest_is_still_the_newest(tmp_path, monk
 def test_a_deletion_removes_the_complete_marker_first(tmp_path, monkeypatch):
     """Pruning deletes COMPLETE (made durable) before any file, so a kill part way through never leaves
     a folder that claims to be complete; the next start removes the remains."""
-    import dflash.checkpoint as ck
+    import dflash.run.checkpoint as ck
 
     seen = []
     real_rmtree = ck.shutil.rmtree
@@ -257,7 +257,7 @@ def test_a_deletion_removes_the_complete_marker_first(tmp_path, monkeypatch):
 @pytest.mark.parametrize("how", ["truncate-draft", "truncate-state", "missing-file", "broken-header",
                                  "same-size-state", "same-size-draft"])
 def test_a_damaged_newest_checkpoint_falls_back_and_says_why(tmp_path, caplog, how):
-    from dflash.checkpoint import CheckpointError, resolve_resume
+    from dflash.run.checkpoint import CheckpointError, resolve_resume
 
     fresh_trainer(run_config(tmp_path, max_steps=4, save_interval=2)).fit()
     newest = tmp_path / "checkpoints" / "step-00000004"
@@ -288,7 +288,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_says_why(tmp_path, caplog, h
 def test_a_full_disk_names_the_path_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
     import errno
 
-    import dflash.checkpoint as ck
+    import dflash.run.checkpoint as ck
 
     trainer = fresh_trainer(run_config(tmp_path, max_steps=6, save_interval=3))
     real_write = ck._write
@@ -312,7 +312,7 @@ def test_a_full_disk_names_the_path_and_keeps_the_earlier_checkpoints(tmp_path, 
 def test_a_pickled_callable_in_trainer_state_is_refused_and_never_runs(tmp_path):
     import pathlib
 
-    from dflash.checkpoint import CheckpointError
+    from dflash.run.checkpoint import CheckpointError
 
     class Payload:  # what a malicious checkpoint carries: unpickling calls Path.touch(marker)
         def __reduce__(self):
@@ -357,7 +357,7 @@ def test_schedule_changes_on_resume_are_accepted_and_logged(tmp_path, caplog):
 def test_metrics_jsonl_drops_what_was_logged_after_the_checkpoint(tmp_path):
     """A run killed after logging steps past its last checkpoint logs them again when it resumes: the
     lines (and a half-written last one) logged after that checkpoint's save are dropped first."""
-    from dflash.reporting import truncate_history
+    from dflash.report.sinks import truncate_history
 
     fresh_trainer(run_config(tmp_path, max_steps=4, save_interval=2, log_interval=1)).fit()
     jsonl = tmp_path / "metrics.jsonl"
@@ -378,7 +378,7 @@ def test_dataloader_workers_leave_sigterm_and_sigint_to_the_main_process():
     ignore it, so the main process can finish its step and save instead of dying of a worker's death."""
     import time
 
-    from dflash.data import Collator, make_dataloader
+    from dflash.data.loader import Collator, make_dataloader
 
     loader = make_dataloader(tokenized_rows(n=64), 4, Collator(0, 8, 64), num_workers=2)
     batches = iter(loader)
@@ -409,7 +409,7 @@ def test_sequences_shorter_than_the_block_train_without_error():
 
 
 def test_warm_start_from_an_exported_draft(tmp_path):
-    from dflash.export import export_draft
+    from dflash.evaluation.export import export_draft
 
     source = DFlashTrainer(tiny_config(), target=make_tiny_target())
     export_draft(source.draft, tmp_path / "exported")
@@ -540,6 +540,6 @@ def test_compiled_functions_may_keep_a_graph_for_every_batch_shape(tmp_path, mon
     rows = tokenized_rows(n=6)
     assert limit_after(lambda: fresh_trainer(cfg).evaluate(rows)) == shapes + 6 + 4  # 6 held-out batches
 
-    from dflash.hf import dflash_collator  # Trainer integration: a last, smaller batch doubles the lengths
+    from dflash.hf.trainer import dflash_collator  # Trainer integration: a last, smaller batch doubles the lengths
 
     assert limit_after(lambda: dflash_collator(None, cfg)) == 2 * (2048 // 64) + 4

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash.reporting import Reporter, format_line, read_history, split_warning, window_metrics
+from dflash.report.sinks import Reporter, format_line, read_history, split_warning, window_metrics
 
 
 def test_jsonl_and_console_line(tmp_path):

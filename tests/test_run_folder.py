@@ -1,4 +1,4 @@
-"""No run destroys another's files (`dflash.run_folder`): dangerous and foreign folders are refused before
+"""No run destroys another's files (`dflash.run.folder`): dangerous and foreign folders are refused before
 anything is written, a previous run is continued or replaced only when asked, one run holds the folder at
 a time, and the metrics a resume goes back past are kept until it passes them."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from test_cli import _args
 
-from dflash.cli import main
-from dflash.reporting import HISTORY_BACKUP, Reporter
-from dflash.run_folder import LOCK_NAME, RUN_ENTRIES, RUN_RECORD, RunFolderError, RunLock, claim
+from dflash.cli.main import main
+from dflash.report.sinks import HISTORY_BACKUP, Reporter
+from dflash.run.folder import LOCK_NAME, RUN_ENTRIES, RUN_RECORD, RunFolderError, RunLock, claim
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash import sources
-from dflash.sources import load_conversations
+from dflash.data.loader import sources
+from dflash.data.sources import load_conversations
 
 SYSTEM = "You are terse."
 CHAT = [
@@ -65,7 +65,7 @@ def test_bad_rows_are_counted_and_named(tmp_path, caplog):
     blob = "\n".join(lines).encode() + b"\n\xff\xfe broken\n"  # line 12: not UTF-8
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(blob)
-    with caplog.at_level(logging.WARNING, logger="dflash.sources"):
+    with caplog.at_level(logging.WARNING, logger="dflash.data.sources"):
         rows, report = load_conversations(path)
     assert len(rows) == report.conversations == 3 and report.rows_read == 11
     assert report.skipped == {

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, train_on_continuations
-from dflash import speculative as sp
 from dflash.attention import dense_dflash_mask
-from dflash.evaluate import prompt_ids
+from dflash.evaluation import speculative as sp
+from dflash.evaluation.evaluate import prompt_ids
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
-from dflash.target import FrozenTarget
+from dflash.target.frozen import FrozenTarget
 
 BS = 4
 
@@ -354,7 +354,7 @@ def test_speculative_prompts_are_distinct_and_skips_are_counted(caplog):
                      chat(("assistant", "no user turn")), chat(("user", "x" * 40)),
                      chat(("system", "Be brief."), ("user", "Hello?")), chat(("user", "Hello?")), chat(("user", "Why?")),
                      chat(("user", "Last"))]
-    with caplog.at_level(logging.INFO, logger="dflash.evaluate"):
+    with caplog.at_level(logging.INFO, logger="dflash.evaluation.evaluate"):
         prompts = prompt_ids(CharTokenizer(), conversations, num_prompts=3, max_prompt_tokens=20)
     texts = ["".join(map(chr, p)) for p in prompts]
     assert texts == ["uHello?", "sBe brief.uHello?", "uWhy?"]  # a system turn makes a different prompt

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash import stopping
-from dflash.stopping import StopRequest
+from dflash.run import stopping
+from dflash.run.stopping import StopRequest
 
 
 def test_a_signal_after_the_reduction_waits_for_the_next_flush(monkeypatch):

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash"
 MAX_LINES = 450
 # The CLI dispatches to one subcommand and the package root resolves names on first use: importing
 # everything up front would make `dflash plot` load torch and `import dflash` load transformers.
-LAZY_IMPORTS_ALLOWED = {"dflash.cli", "dflash.__init__"}
+LAZY_IMPORTS_ALLOWED = {"dflash.cli.main", "dflash.__init__"}
 
 
 def _module_name(path: Path) -> str:

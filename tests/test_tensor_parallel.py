@@ -23,12 +23,12 @@ from tp_training_checks import LABELS
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, Qwen3Config
 
 from conftest import make_tiny_target, tiny_config
+from dflash.cli.dry_run import plan
 from dflash.config import TrainConfig
 from dflash.factory import build_objective
-from dflash.plan import plan
-from dflash.state import accepted_changes, config_differences
-from dflash.tensor_parallel import check_tp_support
-from dflash.tp_overlap import batch_halves, schedule_for
+from dflash.run.state import accepted_changes, config_differences
+from dflash.target.tensor_parallel import check_tp_support
+from dflash.target.tp_overlap import batch_halves, schedule_for
 from dflash.trainer import DFlashTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

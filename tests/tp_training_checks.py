@@ -28,10 +28,10 @@ import dflash.objective as objective_module
 from conftest import continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
-from dflash.evaluate import run_eval
-from dflash.speculative import evaluate_speculative
-from dflash.tensor_parallel import TensorParallelTarget, target_parameter_bytes
-from dflash.tp_decode import decode_session
+from dflash.evaluation.evaluate import run_eval
+from dflash.evaluation.speculative import evaluate_speculative
+from dflash.target.tensor_parallel import TensorParallelTarget, target_parameter_bytes
+from dflash.target.tp_decode import decode_session
 from dflash.trainer import DFlashTrainer
 
 # The equality runs: `data.labels` values, each a trainer config override.

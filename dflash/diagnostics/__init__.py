@@ -1,7 +1,7 @@
 """Sync-checking tools: prove that training code makes no host-device synchronization.
 
 They ship with the package so that a run can be checked on its own configuration, but nothing in
-the training path imports them except `dflash.hf`, which uses the Trainer checklist to warn.
+the training path imports them except `dflash.hf.trainer`, which uses the Trainer checklist to warn.
 
 * `forbid_syncs()` (`syncs`): a region that raises (or collects) on every host-device sync.
 * `fake_cuda_mode()`, `FAKE_CUDA` (`fake_cuda`): fake CUDA tensors, so a CPU-only machine sees
@@ -9,7 +9,7 @@ the training path imports them except `dflash.hf`, which uses the Trainer checkl
 * `SyncProbe` (`probe`): a `transformers.TrainerCallback` that runs a Trainer's non-log steps
   under `forbid_syncs()`.
 * `per_step_sync_settings`, `DFlashSyncWarning` (`trainer_settings`): the `TrainingArguments`
-  settings that sync every step, which `dflash.hf.DFlashCallback` warns about.
+  settings that sync every step, which `dflash.hf.trainer.DFlashCallback` warns about.
 """
 
 from dflash.diagnostics.fake_cuda import FAKE_CUDA, fake_cuda_mode

@@ -1,6 +1,6 @@
 """Which `transformers.TrainingArguments` settings add a host-device sync to every training step.
 
-`dflash.hf.DFlashCallback` warns once per setting found here (category `DFlashSyncWarning`);
+`dflash.hf.trainer.DFlashCallback` warns once per setting found here (category `DFlashSyncWarning`);
 `SyncProbe` (`dflash.diagnostics.probe`) shows the syncs they make on a real run.
 """
 

@@ -1,0 +1,160 @@
+"""`dflash train --dry-run`: what a run would do, from configs alone (no weights loaded, nothing trained)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash.attention import resolve_attention
+from dflash.config import TrainConfig
+from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations
+from dflash.data.regenerate import prompt_id, prompt_turns
+from dflash.embedded import cache_root, embedded_target_dir
+from dflash.factory import draft_config_for, draft_model_for_config
+from dflash.files import format_bytes
+from dflash.losses import decay_gamma
+from dflash.modeling import text_config_of
+from dflash.report.sinks import split_warning
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
+
+
+def target_source(name: str) -> str:
+    """Folder or hub id that `from_pretrained` reads for `config.target`."""
+    return str(embedded_target_dir()) if name == "embedded" else name
+
+
+def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
+    """This rank's bytes of the target's parameters and buffers with `tp` ranks per tensor-parallel group:
+    the decoder layers 1/tp, the embedding and LM head whole (the draft reads them). From the config on
+    the meta device (no weight is read); `check_tp_support` refuses a size that does not divide the heads."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config, dtype=dtype)
+    whole = target_parameter_bytes(model)
+    if tp > 1:
+        text = text_config_of(target_config)
+        shard_model_(model, check_tp_support(text, tp), 0, tp)
+    mine = target_parameter_bytes(model)
+    b = {key: format_bytes(n) for key, n in mine.items()}
+    return (f"{b['total']} (decoder layers {b['layers']} of {format_bytes(whole['layers'])}, embedding "
+            f"{b['embedding']}, LM head {b['lm_head']}{' (tied)' if not mine['lm_head'] else ''}, other {b['other']})")
+
+
+def mesh(tp: int) -> str:
+    """The (dp x tp) mesh of this launch (`WORLD_SIZE`; a single process when unset)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp:
+        return f"dp (processes / {tp}) x tp {tp}: launch a multiple of {tp} processes (this launch: {world})"
+    return f"dp {world // tp} x tp {tp}" + (f" ({world} processes; the draft is data-parallel over all)" if world > 1 else "")
+
+
+def _cached(rows: list[dict[str, Any]], path: Path, turns: int) -> int:
+    """How many of `rows`' prompts the regenerated file `path` already answers."""
+    if not path.is_file():
+        return 0
+    asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
+    return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line)["prompt_id"] in asked)
+
+
+def phases(config: TrainConfig) -> dict[str, Any]:
+    """The run's time budget and phases (regeneration, training, evaluation) with their sizes, counted from
+    the data source and the regeneration cache (`dflash.data.corpus`'s own split and file rules; no model runs).
+    A hub dataset is not downloaded for this: its sizes are known once the run loads it."""
+    d = config.data
+    rows = config.batch_size * config.optim.grad_accum
+    budget = (f"{config.time_budget_minutes:g} min of training, then save, evaluate and export"
+              if config.time_budget_minutes else "none (training runs to max_steps)")
+    out: dict[str, Any] = {"time_budget": budget}
+    training = f"up to {config.max_steps:,} steps x {rows} rows per rank"
+    evals = config.max_steps // config.eval_interval if config.eval_interval else 0
+    if d.source != "chitchat" and not Path(d.source).expanduser().exists():
+        out["phase_training"] = training
+        out["phases"] = f"data.source {d.source!r} is not a local file: its sizes are counted once the run loads it"
+        return out
+    train, held, _, available = split_conversations(d)
+    prompts = _training_rows(train, held, d) if d.regenerate else train
+    if d.features:  # the rows are those the features were written from (`dflash features` regenerated them)
+        out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
+    elif d.regenerate:
+        root = Path(d.cache_dir) if d.cache_dir else cache_root()
+        cached = [_cached(r, _regenerated_file(d, root, config.target, part), turns)
+                  for r, part, turns in ((prompts, "train", d.regenerate_turns), (held, "eval", 1))]
+        out["phase_regeneration"] = (f"{len(prompts):,} training prompts ({cached[0]:,} cached) and {len(held):,} held-out "
+                                     f"prompts ({cached[1]:,} cached), at most {d.regenerate_max_new_tokens} new tokens "
+                                     f"each, {d.regenerate_batch_size} per batch")
+    else:
+        out["phase_regeneration"] = "off (data.regenerate=false: the data's own replies)"
+    epochs = config.max_steps * rows / max(len(prompts), 1)
+    out["phase_training"] = (f"{training}, over {len(prompts):,} training conversations of {available:,} in the source "
+                             f"(~{epochs:.1f} epochs on one process)" + (", unless the time budget ends it first"
+                                                                          if config.time_budget_minutes else ""))
+    spec = min(config.spec_eval_prompts, len(held))
+    out["phase_evaluation"] = (f"{len(held):,} held-out conversations ({evals} times during training, then at the end); "
+                               f"speculative decoding of up to {spec} held-out prompts x {config.spec_eval_max_new_tokens} "
+                               "new tokens at the end" + (f", {config.spec_eval_interval_prompts} at each evaluation"
+                                                          if config.spec_eval_interval_prompts else ""))
+    if (warning := split_warning(len(prompts), len(held))) is not None:
+        out["warning"] = warning
+    return out
+
+
+def plan(config: TrainConfig) -> dict[str, Any]:
+    """What `config` would run: target shape, layer ids, mask token, draft size (built on the meta
+    device by the trainer's own factory, so a Domino draft counts its head), tokens per step."""
+    source = target_source(config.target)
+    target_cfg = AutoConfig.from_pretrained(source)
+    text = text_config_of(target_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ds = config.draft
+    draft_cfg = draft_config_for(config, target_cfg, tokenizer, text.vocab_size)
+    mask_id = draft_cfg.mask_token_id
+    with torch.device("meta"):  # sizes only: nothing is allocated or initialised
+        params = sum(p.numel() for p in draft_model_for_config(draft_cfg).parameters())
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    tp = config.tensor_parallel.size
+    rows = config.batch_size * config.optim.grad_accum
+    return {
+        "target": config.target,
+        "target_source": source,
+        "target_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "target_layer_ids": draft_cfg.target_layer_ids,
+        "mask_token_id": mask_id,
+        "mask_token": tokenizer.convert_ids_to_tokens(mask_id),
+        "draft_kind": ds.kind,
+        "draft_layers": draft_cfg.num_hidden_layers,
+        "draft_parameters": params,
+        "block_size": draft_cfg.block_size,
+        "position_weights": ds.position_weights if ds.position_weights != "decay" else
+        f"decay, gamma {decay_gamma(ds.loss_decay_gamma, draft_cfg.block_size)}",
+        "anchors_per_row": ds.num_anchors,
+        "rows_per_step": rows,
+        "max_tokens_per_step": rows * config.data.max_length,
+        "blocks_per_step": rows * ds.num_anchors,
+        "steps": config.max_steps,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "mesh": mesh(tp),
+        "tensor_parallel_overlap": config.tensor_parallel.overlap if tp > 1 else "n/a (tensor_parallel.size 1)",
+        "target_memory_per_rank": target_memory(target_cfg, tp, dtype) if not config.data.features else
+        "embedding and LM head only (data.features: the trunk is not loaded)",
+        "attention": resolve_attention(ds.attention, device),
+        "data": config.data.source,
+        "regenerate": config.data.regenerate,
+        "labels": config.data.labels,
+        "output_dir": config.output_dir,
+        **phases(config),
+    }
+
+
+def describe_plan(p: dict[str, Any]) -> str:
+    width = max(len(k) for k in p)
+    return "\n".join(f"{k:<{width}}  {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:<{width}}  {v}"
+                     for k, v in p.items())

@@ -1,0 +1,217 @@
+"""Command line: `dflash train [CONFIG.yaml] [key=value ...] [--dry-run]` and friends (`dflash features`, ...).
+
+The CLI only parses arguments and calls the library; every behaviour lives in a module. A condition the
+program can name ends in one line on stderr and an exit code (README, "Exit codes"; `dflash.run.stopping`):
+0 done, 2 bad configuration or input, 3 stopped on non-finite updates, 4 output not writable (disk
+full, read-only), 128 + N interrupted by signal N after saving (143 SIGTERM, 130 SIGINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from dflash.config import TrainConfig
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = TrainConfig.from_sources(args.config, args.overrides)
+    if args.dry_run:
+        from dflash.cli.dry_run import describe_plan, plan
+
+        print(describe_plan(plan(config)))
+        return 0
+    from dflash.report.console import process_rank, summary_table
+    from dflash.report.sinks import SUMMARY_NAME
+    from dflash.run.stopping import EXIT_NONFINITE, NonFiniteError, interrupted_exit_code
+    from dflash.runtime import launch_process_group
+    from dflash.trainer import DFlashTrainer
+
+    with launch_process_group():  # torchrun: the group goes before the interpreter exits (else SIGABRT)
+        try:
+            summary = DFlashTrainer(config).fit()
+        except NonFiniteError as e:  # the traceback (and the trainer in it) is freed before the group goes
+            print(f"dflash train: stopped: {e}", file=sys.stderr)
+            return EXIT_NONFINITE
+    if process_rank() == 0:  # one table per launch; the full JSON is RUN/summary.json
+        print(json.dumps(summary, indent=2) if args.json else summary_table(summary, Path(config.output_dir) / SUMMARY_NAME))
+    if summary.get("interrupted"):  # saved; a scheduler requeues it with resume_from=latest
+        return interrupted_exit_code(summary.get("signal"))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from dflash.cli.config_keys import describe_keys
+
+    print(describe_keys())
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from dflash.evaluation.evaluate import format_report, run_eval
+    from dflash.runtime import launch_process_group
+
+    with launch_process_group():  # torchrun shards the target: its group goes before exit
+        report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+                          max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)  # target None: the draft's
+    print(format_report(report))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dflash.evaluation.export import export_checkpoint
+
+    path, out = export_checkpoint(args.checkpoint, args.out_dir)  # weights and config: no optimizer state is read
+    print(f"exported {path} -> {out}")
+    return 0
+
+
+def _checked_config(args: argparse.Namespace) -> TrainConfig:
+    """The command's config, its packages checked before the target loads (`generate`, `features`)."""
+    from dflash.preflight import check_dependencies
+
+    config = TrainConfig.from_sources(args.config, args.overrides)
+    check_dependencies(config)
+    return config
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dflash.data.corpus import regenerate_source
+    from dflash.runtime import launch_process_group
+
+    config = _checked_config(args)
+    with launch_process_group():
+        result = regenerate_source(config)
+    print(f"{result.path}: {result.written} new replies, {result.reused} reused, skipped {result.skipped}")
+    return 0
+
+
+def _features(args: argparse.Namespace) -> int:
+    from dflash.factory import write_run_features
+    from dflash.runtime import launch_process_group
+
+    config = _checked_config(args)
+    start = time.perf_counter()
+    with launch_process_group():
+        parts = write_run_features(config)
+    print(f"features: {', '.join(str(path) for path in parts.values())} ({time.perf_counter() - start:.1f} s); train "
+          f"from them with: dflash train [CONFIG] data.features={config.data.features}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    try:
+        from dflash.report.plot import plot_run
+
+        paths = plot_run(args.run_dir, args.out)
+    except ImportError as e:  # matplotlib is the optional `plot` extra
+        print(f"dflash plot: error: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="Sync-free DFlash / Domino draft training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a draft (no arguments: the embedded SmolLM2 + chitchat default)")
+    train.add_argument("config", nargs="?", help="YAML config file (optional)")
+    train.add_argument("overrides", nargs="*",
+                       help="dotted overrides, e.g. optim.lr=3e-4 draft.num_layers=2 (`dflash config` lists every key)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the plan (target, layers, sizes, phases, time budget) and exit")
+    train.add_argument("--json", action="store_true", help="print the final summary as JSON (also RUN/summary.json)")
+    train.set_defaults(func=_train)
+
+    keys = sub.add_parser("config", help="list every config key with its default, type and meaning")
+    keys.set_defaults(func=_config)
+
+    gen = sub.add_parser("generate", help="answer the dataset's prompts with the target's own greedy replies (cached)")
+    gen.add_argument("config", nargs="?", help="YAML config file (optional; same keys as train)")
+    gen.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=my.jsonl data.limit=1000")
+    gen.set_defaults(func=_generate)
+
+    feats = sub.add_parser("features", help="write the target's features of the training (and held-out) rows to "
+                           "data.features once; `dflash train data.features=DIR` then trains without the target")
+    feats.add_argument("config", nargs="?", help="YAML config file (optional; same keys as train)")
+    feats.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.features=features/ data.max_length=512")
+    feats.set_defaults(func=_features)
+
+    ev = sub.add_parser("eval", help="real speculative decoding: tau, per-position acceptance, speed-up (lossless)")
+    ev.add_argument("--draft", required=True, help="exported draft folder (config.json + model.safetensors)")
+    ev.add_argument("--target", help="target model: embedded, an HF id or a path (default: the target the draft "
+                    "was trained for, from its config.json; else embedded)")
+    ev.add_argument("--prompts", default="auto", help="auto (the held-out prompts of the draft's run, else "
+                    "chitchat's), chitchat (its held-out split) or a conversations file/folder")
+    ev.add_argument("--num-prompts", type=int, default=20)
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--out", help="JSON report path (default: DRAFT/eval.json)")
+    ev.set_defaults(func=_eval)
+
+    ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format")
+    ex.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its latest checkpoint)")
+    ex.add_argument("out_dir")
+    ex.set_defaults(func=_export)
+
+    pl = sub.add_parser("plot", help="PNG plots of a run's metrics (loss, tau, per-position accuracy); needs matplotlib")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
+    pl.set_defaults(func=_plot)
+    return parser
+
+
+def error_message(e: BaseException) -> str:
+    """One line for an error the program can name: an OS error's file and reason (its first argument is
+    the errno, which alone read "error: 2"), else the message itself."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e.args[0]) if e.args else str(e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    # `dflash train key=value` without a YAML: argparse takes the first override as the config.
+    if getattr(args, "config", None) and "=" in args.config:
+        args.overrides.insert(0, args.config)
+        args.config = None
+    # The library logs under "dflash"; the command gives it its own handler for its duration (a root
+    # handler installed by an imported library would otherwise make basicConfig a no-op and hide the
+    # progress lines). Removed afterwards, so calling main() in a process (tests, notebooks) leaves
+    # logging as it was.
+    logger = logging.getLogger("dflash")
+    saved = logger.level, logger.propagate
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    # Under torchrun / accelerate every rank runs this: rank 0 speaks, the others only warn and fail.
+    rank = int(os.environ.get("RANK", "0"))
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    if rank != 0:  # nor do the libraries' own bars and notices repeat on every rank
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        warnings.filterwarnings("ignore")
+    try:
+        return args.func(args)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        print(f"dflash {args.command}: error: {error_message(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # output not writable: disk full, read-only, permissions (checkpoints say which)
+        print(f"dflash {args.command}: error: {error_message(e)}", file=sys.stderr)
+        return 4
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]

@@ -1,0 +1,268 @@
+"""The data recipe of a run: load conversations, hold some out, regenerate replies, tokenize.
+
+    source --load_conversations--> conversations --stable split--> train / held-out
+           --regenerate (optional, cached)--> target's own replies --build_dataset (cached)--> rows
+
+The held-out split is by a hash of each conversation's id, so it does not move when `limit`
+changes or the source is reordered. Held-out prompts are regenerated too: held-out tau must be
+measured on the distribution the draft will serve (the target's replies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from dflash.config import DataSettings
+from dflash.data.feature_data import FeatureDataset, read_split_record, run_feature_parts
+from dflash.data.regenerate import prompt_id, prompt_turns, regenerate
+from dflash.data.sources import load_conversations
+from dflash.data.tokenization import build_dataset
+from dflash.embedded import cache_root, cache_slug, chitchat_conversations
+from dflash.runtime import load_target, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Corpus:
+    train: Any  # datasets.Dataset with input_ids, loss_mask
+    eval: Any | None
+    description: dict[str, Any]
+    held_out_conversations: list[dict[str, Any]]  # their first user turns are speculative-eval prompts
+    held_out_split: dict[str, Any] | None = None  # the settings that chose them (`DataSettings.held_out_split`)
+
+
+def _stable_key(conv_id: str) -> str:
+    return hashlib.sha1(conv_id.encode()).hexdigest()
+
+
+def first_prompt_id(conversation: dict[str, Any]) -> str:
+    """`prompt_id` of a conversation's first user turn (with a leading system turn): the speculative
+    evaluation's prompt for a held-out conversation."""
+    return prompt_id(prompt_turns(conversation["messages"], 1))
+
+
+def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
+    """(train, held_out): the `eval_size` conversations with the smallest id hashes are held out, and no
+    training conversation opens with a held-out prompt.
+
+    Chat data repeats openers. Greedy regeneration gives a repeated prompt the identical reply, so a
+    training row opening with a held-out prompt holds the very text the speculative evaluation decodes for
+    it, and the draft's τ on that prompt measures memorization, not drafting. Those training conversations
+    are dropped (logged with a count)."""
+    order = sorted(range(len(conversations)), key=lambda i: _stable_key(str(conversations[i].get("id", i))))
+    held = set(order[: min(eval_size, max(0, len(conversations) - 1))])
+    held_out = [c for i, c in enumerate(conversations) if i in held]
+    prompts = {first_prompt_id(c) for c in held_out if any(m["role"] == "user" for m in c["messages"])}
+    train = [c for i, c in enumerate(conversations) if i not in held and first_prompt_id(c) not in prompts]
+    dropped = len(conversations) - len(held_out) - len(train)
+    if dropped:
+        log.info("held-out split: %d training conversations dropped for opening with one of the %d held-out "
+                 "prompts", dropped, len(prompts))
+    if conversations and not train:
+        raise ValueError(f"every training conversation opens with a held-out prompt ({len(conversations)} "
+                         "conversations); use a smaller data.eval_size or more varied data")
+    return train, held_out
+
+
+def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"id": row.get("id"), "messages": row["messages"]}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], int]:
+    """The source's conversations (limited) and how many the source had."""
+    if settings.source == "chitchat":
+        conversations = chitchat_conversations()
+    else:
+        conversations, _ = load_conversations(settings.source, settings.split)
+    conversations = list(conversations)
+    return conversations[: settings.limit] if settings.limit is not None else conversations, len(conversations)
+
+
+def split_conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, int]:
+    """(training, held-out conversations, conversations used, conversations in the source): the source
+    limited to `data.limit`, then `split_held_out`. The one place a run's split is made from its settings."""
+    conversations, available = _conversations(settings)
+    train, held = split_held_out(conversations, settings.eval_size)
+    return train, held, len(conversations), available
+
+
+def held_out_conversations(split: dict[str, Any]) -> list[dict[str, Any]]:
+    """The held-out conversations of a recorded split (`DataSettings.held_out_split`), in the order a run's
+    speculative evaluation takes its prompts from them (the first `spec_eval_prompts`)."""
+    return split_conversations(DataSettings(**split))[1]
+
+
+def _regenerate_turns(settings: DataSettings, part: str) -> int:
+    """User turns answered per conversation: `data.regenerate_turns` for training, 1 for held-out rows
+    (their first user turns are the speculative-evaluation prompts)."""
+    return settings.regenerate_turns if part == "train" else 1
+
+
+def _split_tag(settings: DataSettings) -> str:
+    """Names the split's files: the source, its split, `limit` and `eval_size` decide which conversations
+    land on each side."""
+    return hashlib.sha1("|".join(str(v) for v in settings.held_out_split().values()).encode()).hexdigest()[:10]
+
+
+def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
+    """The regenerated JSONL file of one part ("train" or "eval") under `root`, named by the target, the
+    split and the regeneration settings that change its rows."""
+    tag = _split_tag(settings)
+    safe_target = cache_slug(target_name, 60, keep_end=True)
+    turns = _regenerate_turns(settings, part)
+    suffix = f"-{turns}turns" if turns != 1 else ""  # no suffix for one turn: existing caches keep matching
+    if part == "train" and settings.standalone_turns != 1:
+        suffix += f"-{settings.standalone_turns}standalone"
+    return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}{suffix}-{part}.jsonl"
+
+
+def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
+                     target_name: str, part: str) -> Any:
+    """Regenerate one part ("train" or "eval") of the split into its cached file. A run takes the replies
+    already generated from the existing file of the same settings with the most turns below its own:
+    `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a standalone
+    run (whose 1 is the first-turn file)."""
+    turns = _regenerate_turns(settings, part)
+    key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
+                  else ("regenerate_turns", turns))
+    fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part) for k in range(count - 1, 0, -1))
+    earlier = next((path for path in fewer if path.exists()), None)
+    return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
+                      batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
+                      max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
+                      earlier=earlier)
+
+
+def regenerate_source(config: Any) -> Any:
+    """`dflash generate`: regenerate the training split of `config.data` with `config.target` (cached)."""
+    settings = config.data
+    device = resolve_device(config.device)
+    model, tokenizer = load_target(config.target, resolve_dtype(config.dtype, device))
+    model.to(device)
+    root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
+    train, held, _, _ = split_conversations(settings)
+    return _regenerate_part(_training_rows(train, held, settings), settings, root, model, tokenizer, config.target,
+                            "train")
+
+
+def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], settings: DataSettings) -> list[dict[str, Any]]:
+    """The conversations whose prompts the target answers for training: `train` itself, or with
+    `data.standalone_turns` N > 1, each of the first N user messages of every training conversation as a
+    conversation of its own (its leading system turn kept). Those are single-turn prompts, like the
+    speculative evaluation's, and many more of them (chat data has far more distinct user messages than
+    distinct first turns); one equal to a held-out prompt is left out."""
+    if settings.standalone_turns == 1:
+        return train
+    held_prompts = {first_prompt_id(c) for c in held}
+    rows = []
+    for index, conv in enumerate(train):
+        turns = prompt_turns(conv["messages"], settings.standalone_turns)
+        system = [m for m in turns if m["role"] == "system"]
+        for k, user in enumerate(m for m in turns if m["role"] == "user"):
+            row = {"id": f"{conv.get('id', index)}#{k}", "messages": [*system, user]}
+            if first_prompt_id(row) not in held_prompts:
+                rows.append(row)
+    return rows
+
+
+def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int) -> int:
+    """Rewrite the regenerated file `path` to the rows whose prompts `rows` ask (with `turns` user turns
+    each), and return how many it dropped. Regeneration appends to a cache and skips what is there, so a
+    file can hold rows no longer asked for: one written before `split_held_out` dropped training
+    conversations that open with a held-out prompt holds the very text the evaluation decodes."""
+    asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or json.loads(line)["prompt_id"] in asked]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(kept))
+        tmp.replace(path)
+        log.info("%s: dropped %d cached rows this run did not ask for", path, len(lines) - len(kept))
+    return len(lines) - len(kept)
+
+
+def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str) -> Corpus:
+    """Train and held-out datasets for `settings` (both cached on disk between runs)."""
+    root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
+    train, held, used, total = split_conversations(settings)
+    paths: dict[str, Path] = {}
+    dropped: dict[str, int] = {}
+    for name, rows in {"train": train, "eval": held}.items():
+        if not rows:
+            continue
+        if settings.regenerate:
+            if name == "train":
+                rows = _training_rows(rows, held, settings)
+            paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name).path
+            dropped[name] = _keep_rows_asked_for(paths[name], rows, _regenerate_turns(settings, name))
+        else:
+            paths[name] = _write_jsonl(rows, root / "splits" / f"{_split_tag(settings)}-{name}.jsonl")
+    datasets = {name: build_dataset(str(path), tokenizer, settings.max_length, cache_dir=root / "datasets")
+                for name, path in paths.items()}
+    description = {
+        "source": settings.source,
+        "conversations_available": total,
+        "conversations_used": used,
+        "train_conversations": len(train),
+        "held_out_conversations": len(held),
+        "regenerated": settings.regenerate,
+        "train_rows": len(datasets["train"]),
+        "cached_rows_not_asked_for": dropped,
+        "eval_rows": len(datasets["eval"]) if "eval" in datasets else 0,
+        "files": {k: str(v) for k, v in paths.items()},
+    }
+    log.info("corpus: %s", description)
+    return Corpus(datasets["train"], datasets.get("eval"), description, held, settings.held_out_split() if held else None)
+
+
+def feature_corpus(root: str) -> Corpus:
+    """The corpus of a run's offline feature folder (`dflash features`): its training part and, when the run
+    held rows out, its held-out part, both `FeatureDataset`s. No held-out conversations: speculative
+    decoding needs the target's trunk, which a run from features never loads; their split is recorded
+    (`write_split_record`), so the export's `dflash eval` decodes them."""
+    train_dir, held_out_dir = run_feature_parts(root)
+    train = FeatureDataset(train_dir)
+    held_out = FeatureDataset(held_out_dir) if held_out_dir is not None else None
+    description = {"features": str(root), "train_rows": len(train), "eval_rows": len(held_out) if held_out else 0}
+    log.info("corpus: %s", description)
+    return Corpus(train, held_out, description, [], read_split_record(root))
+
+
+def training_data(dataset: Any, settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str, *,
+                  rank: int = 0, world_size: int = 1) -> Corpus:
+    """What a run trains and evaluates on: the configured recipe (`prepare_corpus`) when `dataset` is
+    None; else the user's data: a (train, held-out) pair of tokenized datasets, tokenized rows
+    (`input_ids` / `loss_mask`), or conversations to tokenize (no held-out split then). With `data.features`
+    the rows of that feature folder (`feature_corpus`)."""
+    if settings.features:
+        if dataset is not None:
+            raise ValueError("data.features trains on the rows of its feature folder: pass no dataset, or set "
+                             "data.features=null to train on this one")
+        return feature_corpus(settings.features)
+    if dataset is None:
+        if world_size > 1 and rank != 0:
+            dist.barrier()  # rank 0 regenerates and tokenizes first; the others then read its caches
+        corpus = prepare_corpus(settings, tokenizer, target_model, target_name)
+        if world_size > 1 and rank == 0:
+            dist.barrier()
+        return corpus
+    if isinstance(dataset, tuple):
+        return Corpus(*dataset, description={}, held_out_conversations=[])
+    if "input_ids" in (getattr(dataset, "column_names", None) or []):
+        return Corpus(dataset, None, description={}, held_out_conversations=[])
+    rows = build_dataset(dataset, tokenizer, settings.max_length)
+    return Corpus(rows, None, description={}, held_out_conversations=[])

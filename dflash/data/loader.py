@@ -1,0 +1,264 @@
+"""Tokenized rows -> padded batches in a resumable order, on the device one batch ahead.
+
+The hot path's data: :class:`Collator` pads rows to bucketed lengths (shapes repeat),
+:func:`make_dataloader` plays a deterministic, shardable order that can resume mid-epoch
+(:class:`ResumableSampler`), and :class:`DevicePrefetcher` copies the next batch to the device
+while the current one trains. Rows come from :func:`dflash.data.tokenization.build_dataset`.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from dflash.anchors import bounded_width
+
+
+class Collator:
+    """Pads rows to a bucketed length so batch shapes repeat (static shapes for compile / graphs).
+
+    ``rows[b]`` has ``input_ids`` and ``loss_mask`` of length L_b. The batch length is
+    ``S = ceil(max L_b / bucket_multiple) * bucket_multiple``, capped at ``max_length`` (rows longer
+    than S are cut). Right padding with ``pad_token_id``; ``loss_mask`` is False on padding.
+    ``bucket_multiple = max_length`` gives one fixed shape.
+    """
+
+    def __init__(self, pad_token_id: int, bucket_multiple: int = 64, max_length: int | None = None,
+                 anchor_widths: Sequence[int] | None = None) -> None:
+        if bucket_multiple < 1:
+            raise ValueError(f"bucket_multiple must be >= 1, got {bucket_multiple}")
+        self.pad_token_id = pad_token_id
+        self.bucket_multiple = bucket_multiple
+        self.max_length = max_length
+        self.anchor_widths = sorted(anchor_widths) if anchor_widths else None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, settings: Any, anchor_widths: Sequence[int] | None = None) -> Collator:
+        """The collator of `settings` (a `DataSettings`), padding with the tokenizer's pad token (else
+        eos, else 0); with `anchor_widths`, each batch also names the anchor width it needs."""
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
+        return cls(pad, settings.bucket_multiple, settings.max_length, anchor_widths)
+
+    @property
+    def num_lengths(self) -> int | None:
+        """How many padded lengths S batches can have (None without ``max_length``: unbounded)."""
+        return math.ceil(self.max_length / self.bucket_multiple) if self.max_length else None
+
+    @property
+    def num_shapes(self) -> int:
+        """How many distinct batch shapes this collator produces for one batch size (a bound for the
+        per-shape CUDA graphs; 1 when the length is unbounded, where only fixed shapes can be captured)."""
+        return (self.num_lengths or 1) * len(self.anchor_widths or [None])
+
+    def length(self, longest: int) -> int:
+        """Padded length S for a batch whose longest row has ``longest`` tokens."""
+        padded = math.ceil(max(longest, 1) / self.bucket_multiple) * self.bucket_multiple
+        return min(padded, self.max_length) if self.max_length else padded
+
+    def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Any]:
+        """``{"input_ids": LongTensor[B, S], "loss_mask": BoolTensor[B, S]}``, and with ``anchor_widths``
+        ``"num_anchors"``: the smallest allowed width holding every row's valid anchors, read from this
+        CPU copy of the mask before any transfer (a Python int: no device read)."""
+        seq = self.length(max(len(r["input_ids"]) for r in rows))
+        input_ids = torch.full((len(rows), seq), self.pad_token_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(rows), seq), dtype=torch.bool)
+        for b, row in enumerate(rows):
+            n = min(len(row["input_ids"]), seq)
+            input_ids[b, :n] = torch.as_tensor(row["input_ids"][:n], dtype=torch.long)
+            loss_mask[b, :n] = torch.as_tensor(row["loss_mask"][:n]).bool()
+        batch: dict[str, Any] = {"input_ids": input_ids, "loss_mask": loss_mask}
+        if self.anchor_widths:
+            batch["num_anchors"] = bounded_width(loss_mask, self.anchor_widths)
+        return batch
+
+
+class ResumableSampler(Sampler[int]):
+    """Deterministic (optionally sharded) sample order that can start mid-epoch.
+
+    Epoch e's order is a permutation seeded by (seed, e); rank r of w takes every w-th index
+    (each rank gets ``n // w``). Each ``iter()`` plays the current epoch and then advances it, so a
+    loop over epochs needs no ``set_epoch``. ``start`` indices of the first epoch played are skipped
+    (``skip_batches * batch_size`` when resuming).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        start: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = epoch
+        self.start = start
+        self.rank = rank
+        self.world_size = world_size
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's full sample order of ``epoch``."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        per_rank = self.num_samples // self.world_size
+        return order[self.rank :: self.world_size][:per_rank]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.indices(self.epoch)[self.start :]
+        self.epoch += 1
+        self.start = 0
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size - self.start
+
+
+def make_dataloader(
+    dataset: Any,
+    batch_size: int,
+    collator: Collator,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 2,
+    drop_last: bool = True,
+    epoch: int = 0,
+    skip_batches: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DataLoader:
+    """DataLoader over ``dataset`` with a deterministic, resumable order (:class:`ResumableSampler`).
+
+    Resume at global batch k of an epoch with ``epoch=e, skip_batches=k``. Batches are pinned when
+    a GPU exists (so the device copy can be ``non_blocking`` without a hidden sync) and workers
+    persist across epochs. Workers ignore SIGTERM / SIGINT (:func:`_leave_signals_to_the_main_process`).
+    """
+    sampler = ResumableSampler(
+        len(dataset),
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        start=skip_batches * batch_size,
+        rank=rank,
+        world_size=world_size,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_leave_signals_to_the_main_process if num_workers > 0 else None,
+    )
+
+
+def _leave_signals_to_the_main_process(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGTERM and SIGINT. Schedulers signal the whole process group (`scancel`,
+    preemption, `systemctl stop`, Ctrl-C); a worker killed by it would end the run with "DataLoader worker
+    is killed by signal" before the main process could finish its step and save. The main process handles
+    the request (`dflash.run.stopping.StopRequest`) and shuts its workers down as it exits."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class DevicePrefetcher:
+    """Iterates ``loader`` with each batch already on ``device``, the next one copying meanwhile.
+
+    CUDA: copies run ``non_blocking`` from pinned memory on a side stream, one batch ahead; the
+    consumer's stream waits for the copy (``wait_stream``) and the tensors are marked as used there
+    (``record_stream``) so the allocator never recycles them early. Other devices: a plain ``.to``
+    (a passthrough on CPU).
+    """
+
+    def __init__(self, loader: Iterable[Mapping[str, Any]], device: torch.device | str) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            return
+        stream = torch.cuda.Stream(self.device)
+        batches = iter(self.loader)
+        ahead = self._copy(next(batches, None), stream)
+        while ahead is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)
+            for value in ahead.values():
+                if torch.is_tensor(value):
+                    value.record_stream(current)
+            batch = ahead
+            ahead = self._copy(next(batches, None), stream)
+            yield batch
+
+    def _copy(self, batch: Mapping[str, Any] | None, stream: torch.cuda.Stream) -> dict[str, Any] | None:
+        """Start the host->device copy of ``batch`` on ``stream`` (pinning first if needed)."""
+        if batch is None:
+            return None
+        with torch.cuda.stream(stream):
+            return {
+                k: (v if v.is_pinned() else v.pin_memory()).to(self.device, non_blocking=True)
+                if torch.is_tensor(v)
+                else v
+                for k, v in batch.items()
+            }
+
+
+def micro_batches(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """`batch` split by rows into `n` micro-batches (`optim.grad_accum`): every row tensor (ids, mask;
+    offline features and labels) chunked, the collator's anchor width (a host int) given to each."""
+    if batch["input_ids"].shape[0] % n:
+        raise ValueError(f"batch of {batch['input_ids'].shape[0]} rows does not split into grad_accum={n}")
+    parts = {k: v.chunk(n) for k, v in batch.items() if torch.is_tensor(v)}
+    width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}
+    return [{**{k: v[i] for k, v in parts.items()}, **width} for i in range(n)]
+
+
+@dataclass
+class DataPosition:
+    """Where a run stands in its data: the epoch and the loader batches consumed in it (host counters,
+    saved in checkpoints so a resumed run continues with the next batch)."""
+
+    epoch: int = 0
+    batches: int = 0
+
+
+def device_batches(dataset: Any, rows: int, collator: Collator, device: torch.device, position: DataPosition, *,
+                   seed: int, num_workers: int, rank: int = 0, world_size: int = 1) -> Iterator[dict[str, Any]]:
+    """Endless device batches of `rows` rows, epoch after epoch, from `position` on (advanced as they are
+    taken). Batches come pinned from DataLoader workers and are copied one ahead (`non_blocking`). One
+    loader serves every epoch (its sampler advances the epoch on each pass), so its persistent workers
+    start once per run."""
+    if len(dataset) // world_size < rows:
+        share = f" ({len(dataset) // world_size} for each of {world_size} processes)" if world_size > 1 else ""
+        raise ValueError(f"the training set has {len(dataset)} rows{share}, fewer than one step needs ({rows}): "
+                         "lower batch_size / optim.grad_accum or add data")
+    loader = make_dataloader(dataset, rows, collator, seed=seed, epoch=position.epoch, skip_batches=position.batches,
+                             num_workers=num_workers, rank=rank, world_size=world_size)
+    while True:
+        for batch in DevicePrefetcher(loader, device):
+            position.batches += 1
+            yield batch
+        position.epoch, position.batches = position.epoch + 1, 0

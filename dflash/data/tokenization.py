@@ -1,0 +1,299 @@
+"""Conversations -> chat template -> ``input_ids``, ``loss_mask``; the tokenized dataset cache.
+
+A training row is ``{"input_ids": list[int], "loss_mask": list[int]}`` of one rendered
+conversation: ``loss_mask`` is 1 exactly on the tokens of assistant replies (end-of-turn token
+included), the positions a draft learns to predict. :func:`build_dataset` tokenizes a source once
+and keeps the result on disk, keyed by the source's content, the tokenizer and ``max_length``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from dflash.anchors import has_valid_anchor
+from dflash.data.sources import Message, dataset_report, load_conversations, local_files
+from dflash.embedded import cache_root, cache_slug, chitchat_path
+from dflash.report.console import quiet_datasets
+
+logger = logging.getLogger(__name__)
+
+# Bump when the tokenization or the cached layout changes: old caches then stop matching.
+_CACHE_VERSION = 1  # unchanged by the character cut: it leaves the first max_length tokens as they were
+
+
+# --------------------------------------------------------------------------- tokenizing
+
+
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False) -> str:
+    """The chat template's text for ``messages``."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _assistant_spans(
+    messages: Sequence[Message], tokenizer: Any, full: str, max_chars: int
+) -> tuple[list[tuple[int, int]], int]:
+    """Character spans in ``full`` (the rendered conversation) of the assistant replies that start
+    before ``max_chars``, and the number of replies that could not be located.
+
+    For assistant message k, ``before`` = render(messages[:k], generation prompt) and ``through`` =
+    render(messages[:k+1]); the reply is the text between them, less the trailing whitespace the
+    template puts after the end-of-turn token (``"Hi<|im_end|>\\n"`` -> ``"Hi<|im_end|>"``), so the
+    end-of-turn token is supervised and the template's newline is not. This holds for any template
+    whose rendering of a prefix is a prefix of the full rendering. A reply where that fails (a
+    template that renders the last reply differently, e.g. with an empty think block, or refuses
+    the prefix) is left unsupervised and counted, never guessed. Each look renders a prefix, so
+    replies past ``max_chars`` (cut by truncation) are not looked for: long chats stay linear.
+    """
+    spans: list[tuple[int, int]] = []
+    unlocated = 0
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            before = _render(tokenizer, messages[:k], generation_prompt=True)
+            through = _render(tokenizer, messages[: k + 1])
+        except Exception:
+            unlocated += 1
+            continue
+        if len(before) >= max_chars:
+            break
+        reply = through[len(before) :].rstrip()
+        if full.startswith(before) and full.startswith(through) and reply:
+            spans.append((len(before), len(before) + len(reply)))
+        else:
+            unlocated += 1
+    return spans, unlocated
+
+
+def char_budget(tokenizer: Any, max_length: int) -> int:
+    """Characters of message text that can matter to ``max_length`` tokens: ``max_length`` times the
+    longest vocabulary entry (a token covers at most as many characters as its entry has, byte-level
+    or SentencePiece), plus a margin for the word the cut falls in. Text past it is truncated anyway."""
+    return max_length * max(map(len, tokenizer.get_vocab())) + 1024
+
+
+def cut_messages(messages: Sequence[Message], max_chars: int) -> list[Message]:
+    """``messages`` with at most ``max_chars`` characters of content in all: the message that crosses the
+    budget is cut and later ones dropped (truncation keeps the start). One 30 MB row took 5 GB to
+    tokenize whole."""
+    kept, left = [], max_chars
+    for message in messages:
+        if left <= 0:
+            break
+        kept.append(message if len(message["content"]) <= left else {**message, "content": message["content"][:left]})
+        left -= len(message["content"])
+    return kept
+
+
+def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_length: int,
+                          max_chars: int | None = None) -> dict[str, Any]:
+    """Token ids of the chat-rendered conversation and its loss mask, both of length <= max_length.
+
+    Returns ``{"input_ids": list[int], "loss_mask": list[int], "unlocated_turns": int,
+    "truncated": bool}``. A token is supervised when its characters overlap an assistant reply span
+    (:func:`_assistant_spans`). Offsets come from one tokenization of the full text, which is
+    exactly what ``apply_chat_template(tokenize=True)`` produces; a token merged across the
+    template/reply boundary is still placed, where diffing prefix tokenizations would disagree with
+    the full one. Needs a fast tokenizer (offset mapping). Content past ``max_chars`` (default
+    :func:`char_budget`) is cut first: it cannot reach the first ``max_length`` tokens.
+    """
+    budget = char_budget(tokenizer, max_length) if max_chars is None else max_chars
+    cut = sum(len(m["content"]) for m in messages) > budget
+    messages = cut_messages(messages, budget) if cut else messages
+    text = _render(tokenizer, messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoded["input_ids"])[:max_length]
+    offsets = encoded["offset_mapping"]
+    truncated = len(offsets) > max_length or cut
+    # Characters from the first token cut by truncation on are never supervised.
+    max_chars = offsets[max_length][0] if truncated else len(text) + 1
+    spans, unlocated = _assistant_spans(messages, tokenizer, text, max_chars)
+    loss_mask = [0] * len(input_ids)
+    span_index = 0
+    for i, (start, end) in enumerate(offsets[:max_length]):
+        # Spans and token offsets are both sorted and disjoint: one forward sweep suffices.
+        while span_index < len(spans) and spans[span_index][1] <= start:
+            span_index += 1
+        if span_index < len(spans) and start < spans[span_index][1] and end > spans[span_index][0]:
+            loss_mask[i] = 1
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "unlocated_turns": unlocated,
+        "truncated": truncated,
+    }
+
+
+_TOO_SHORT = "no two consecutive supervised tokens"
+# Chat templates render in Python, row by row: from this many rows on, worker processes pay for their
+# start-up and all cores are used.
+_PARALLEL_ROWS = 2000
+
+
+def _tokenize_batch(batch: dict[str, list[Any]], tokenizer: Any, max_length: int) -> dict[str, list[Any]]:
+    """``datasets.map`` function: messages -> input_ids, loss_mask and per-row bookkeeping.
+
+    ``problem`` is "" for a usable row, else the reason it is dropped (counted by the caller).
+    """
+    columns = ("input_ids", "loss_mask", "problem", "unlocated", "truncated")
+    out: dict[str, list[Any]] = {k: [] for k in columns}
+    max_chars = char_budget(tokenizer, max_length)  # once per batch: it reads the whole vocabulary
+    for messages in batch["messages"]:
+        try:
+            row = tokenize_conversation(messages, tokenizer, max_length, max_chars)
+        except Exception as e:  # the template refuses this conversation (e.g. roles out of order)
+            row = {"input_ids": [], "loss_mask": [], "unlocated_turns": 0, "truncated": False}
+            problem = f"chat template error: {type(e).__name__}: {e}"
+        else:
+            problem = "" if has_valid_anchor(row["loss_mask"]) else _TOO_SHORT
+        out["input_ids"].append(row["input_ids"])
+        out["loss_mask"].append(row["loss_mask"])
+        out["problem"].append(problem)
+        out["unlocated"].append(row["unlocated_turns"])
+        out["truncated"].append(row["truncated"])
+    return out
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of everything about a tokenizer that changes ``input_ids`` or ``loss_mask``."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    h.update(vocab.encode())
+    h.update(str(tokenizer.chat_template).encode())
+    h.update(repr(tokenizer.all_special_tokens).encode())
+    return h.hexdigest()
+
+
+def _source_fingerprint(source: Any, split: str) -> dict[str, Any]:
+    """What identifies the content of a source without reading it: files by path, size, mtime."""
+    if isinstance(source, str) and source == "chitchat":
+        stat = chitchat_path().stat()
+        return {"chitchat": [stat.st_size, stat.st_mtime_ns]}
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        if path.exists():
+            files = local_files(path)
+            return {"files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+        return {"hub": str(source), "split": split}
+    fingerprint = getattr(source, "_fingerprint", None)
+    if fingerprint is None:
+        text = json.dumps(list(source), sort_keys=True, default=str)
+        fingerprint = hashlib.sha256(text.encode()).hexdigest()
+    return {"memory": fingerprint}
+
+
+def dataset_cache_dir(
+    source: Any, tokenizer: Any, max_length: int, split: str = "train", root: Path | None = None
+) -> Path:
+    """Cache folder of a tokenized dataset, keyed by (source content, tokenizer, max_length, version)."""
+    key = {
+        "source": _source_fingerprint(source, split),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": max_length,
+        "version": _CACHE_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    stem = Path(str(source)).stem if isinstance(source, (str, os.PathLike)) else "memory"
+    return (root or cache_root() / "datasets") / f"{cache_slug(stem, 40)}-{digest}"
+
+
+@quiet_datasets()  # its own log lines say what it did; datasets' map / filter / save bars stay off
+def build_dataset(
+    source: Any,
+    tokenizer: Any,
+    max_length: int,
+    *,
+    split: str = "train",
+    cache_dir: str | os.PathLike[str] | None = None,
+    num_proc: int | None = None,
+) -> Any:
+    """Tokenized training rows (``datasets.Dataset`` with columns input_ids, loss_mask), cached.
+
+    The first call loads and normalizes ``source`` (:func:`load_conversations`), tokenizes it with
+    ``datasets.map`` (``num_proc=None``: all cores, up to 16, for large sources) and saves it to
+    :func:`dataset_cache_dir` (under ``cache_dir`` or ``<cache_root>/datasets``) through a temporary
+    folder renamed when complete. Later calls with the same source content, tokenizer and
+    max_length memory-map the saved copy. The :class:`DataReport` is logged and kept in
+    ``dataset.info.description`` (see :func:`dataset_report`).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("build_dataset needs a fast tokenizer (offset mapping) to place the loss mask")
+    root = Path(cache_dir) if cache_dir is not None else None
+    folder = dataset_cache_dir(source, tokenizer, max_length, split, root)
+    if (folder / "dataset_info.json").is_file():
+        dataset = datasets.load_from_disk(str(folder))
+        logger.info("tokenized dataset from cache %s: %s", folder, dataset_report(dataset).summary())
+        return dataset
+
+    conversations, report = load_conversations(source, split)
+    raw = datasets.Dataset.from_dict({"messages": [row["messages"] for row in conversations]})
+    if num_proc is None and len(raw) >= _PARALLEL_ROWS:
+        num_proc = min(os.cpu_count() or 1, 16)
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "loss_mask": datasets.List(datasets.Value("int8")),
+            "problem": datasets.Value("string"),
+            "unlocated": datasets.Value("int32"),
+            "truncated": datasets.Value("bool"),
+        }
+    )
+    tokenized = raw.map(
+        _tokenize_batch,
+        batched=True,
+        remove_columns=["messages"],
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        features=features,
+        num_proc=num_proc,
+        desc="tokenizing",
+    )
+    for index, problem in enumerate(tokenized["problem"]):
+        if problem:
+            reason, _, detail = problem.partition(": ")
+            report.skip(reason, conversations[index]["id"], detail)
+    report.unlocated_turns = int(sum(tokenized["unlocated"]))
+    report.truncated = int(sum(tokenized["truncated"]))
+    kept = tokenized.filter(lambda problems: [not p for p in problems], input_columns="problem", batched=True)
+    kept = kept.remove_columns(["problem", "unlocated", "truncated"])
+    report.rows = len(kept)
+    report.tokens = int(sum(len(ids) for ids in kept["input_ids"]))
+    if report.rows == 0:
+        raise ValueError(f"no rows with two consecutive supervised tokens in {report.summary()}")
+    kept.info.description = report.to_json()
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        kept.save_to_disk(str(tmp))
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "dataset_info.json").is_file():  # not just a concurrent writer's copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    (logger.warning if report.skipped else logger.info)("tokenized %s", report.summary())
+    return datasets.load_from_disk(str(folder))
+
+
+def check_token_absent(dataset: Any, token_id: int, tokenizer: Any, *, max_rows: int = 20_000) -> None:
+    """Refuse data in which the draft's mask token occurs as a real token (the draft could not tell the
+    two apart); reads the first `max_rows` rows."""
+    for i in range(min(len(dataset), max_rows)):
+        if token_id in dataset[i]["input_ids"]:
+            name = tokenizer.convert_ids_to_tokens(token_id) if tokenizer is not None else token_id
+            raise ValueError(f"the mask token id {token_id} ({name!r}) appears in the training data (row {i}): "
+                             "set draft.mask_token_id to a token that never occurs in the data")

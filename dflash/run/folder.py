@@ -1,0 +1,196 @@
+"""Who may write to a run folder (`output_dir`), and what a starting run may find there.
+
+A run writes checkpoints, `config.yaml`, `metrics.jsonl`, `summary.json` and `export/` into its folder,
+and cleans what its own interrupted saves left. Three rules keep it from destroying another's files:
+
+- **Dangerous folders are refused**: a filesystem root, a folder directly under it (`/tmp`, `/usr`,
+  ...), the home folder and its ancestors.
+- **One writer at a time**: rank 0 holds an exclusive `flock` on `RUN/.dflash.lock` for the run's life.
+  The kernel releases it when the process ends, however it ends, so a lock left by a killed run is
+  simply taken over (and said so); a second run on the folder fails at start naming the holder.
+  (`flock` is advisory and per host: a folder shared by two hosts over NFS is not covered.)
+- **A folder is a run's, or it is refused**: a new run starts only in a missing or empty folder. A
+  folder that holds a previous run (`run.json`, or `config.yaml` from a dflash before run records) is
+  continued with `resume_from=latest` or replaced with `overwrite_output_dir=true` (which removes only
+  the entries dflash writes); otherwise it is refused with those choices named. A folder of other
+  files is never written to, overwrite or not. Only after the folder is claimed are interrupted saves cleaned
+  (`dflash.run.checkpoint.prepare_run_dir`), and only by rank 0; the other ranks wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from dflash.report.sinks import HISTORY_BACKUP, SUMMARY_NAME
+from dflash.run.checkpoint import prepare_run_dir
+
+log = logging.getLogger("dflash")
+
+RUN_RECORD = "run.json"  # {"run_id", "created"}: written when a run claims a new or replaced folder
+LOCK_NAME = ".dflash.lock"
+# Everything a run writes at the folder's top level (a test checks a finished run's folder against it).
+RUN_ENTRIES = frozenset({RUN_RECORD, LOCK_NAME, HISTORY_BACKUP, "config.yaml", "metrics.jsonl", "checkpoints",
+                         "export", SUMMARY_NAME, "tensorboard", "wandb", "plots"})
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked; the message names the choices."""
+
+
+def _is_run_entry(name: str) -> bool:
+    """An entry a run writes, or the temporary file of one (`files.write_atomic`, left by a kill mid-write)."""
+    return name in RUN_ENTRIES or (name.startswith(".") and name[1:].split(".tmp-")[0] in RUN_ENTRIES)
+
+
+def refuse_dangerous(run_dir: Path) -> None:
+    """Raise `RunFolderError` for a filesystem root, a folder directly under one, or the home folder
+    or one of its ancestors: places where a run's cleaning and overwriting have no business."""
+    path = run_dir.expanduser().resolve()
+    home = Path.home().resolve()
+    if len(path.parts) <= 2 or path == home or path in home.parents:
+        raise RunFolderError(f"output_dir={str(run_dir)!r} ({path}) is a system or home folder; give the run a "
+                             "folder of its own, e.g. output_dir=runs/my-run")
+
+
+class RunLock:
+    """An exclusive lock on `RUN/.dflash.lock`, held from construction until `release()` or process end.
+    The file records the holder (pid, host, start time) for the error a second run gets."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_NAME
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = self._read()
+            os.close(self._fd)
+            self._fd = None
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunFolderError(f"{run_dir} is in use by another dflash run ({_describe(holder)}); wait for it to "
+                                 "end, or choose another output_dir") from None
+        stale = self._read()
+        if stale:  # a holder ended without releasing (killed): the kernel dropped its lock, its record stayed
+            log.warning("%s: taking over the lock of a run that ended without releasing it (%s)", run_dir,
+                        _describe(stale))
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(record).encode(), 0)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            return json.loads(os.pread(self._fd, 4096, 0) or b"{}")
+        except ValueError:
+            return {}
+
+    def release(self) -> None:
+        """Clear the holder record and unlock (a clean end leaves no record to report as stale)."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "holder unknown"
+    return f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}"
+
+
+def _previous_run(run_dir: Path, names: list[str]) -> str:
+    """One line on what a previous run left: its newest checkpoint and last logged step."""
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) if "checkpoints" in names else []
+    metrics = run_dir / "metrics.jsonl"
+    last = None
+    if metrics.is_file():
+        lines = metrics.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)
+        try:
+            last = json.loads(lines[-1]).get("step") if lines[-1] else None
+        except ValueError:
+            last = None
+    parts = [f"checkpoints up to {steps[-1]}" if steps else "no checkpoint"]
+    if last is not None:
+        parts.append(f"metrics logged to step {last}")
+    return ", ".join(parts)
+
+
+def claim(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> RunLock:
+    """Rank 0: refuse a dangerous or foreign folder (before writing anything into it), lock it, then
+    accept or refuse the previous run it holds (module doc). Returns the held lock; writes `run.json`
+    when the folder starts a new run."""
+    refuse_dangerous(run_dir)
+    names = _names(run_dir)
+    # A run's folder has its record (or, from a dflash before run records, its config.yaml): a folder
+    # of anything else, another trainer's `checkpoints/` included, is not cleaned or written to.
+    if names and not ((run_dir / RUN_RECORD).is_file() or (run_dir / "config.yaml").is_file()):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise RunFolderError(f"output_dir {run_dir} is not a dflash run folder (it holds {shown}); dflash writes "
+                             "only into a new or empty folder, or one of its own runs: choose another output_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)  # before judging the previous run: nobody else changes the folder meanwhile
+    try:
+        names = _names(run_dir)
+        if names and not resume_from:
+            if not overwrite:
+                raise RunFolderError(
+                    f"output_dir {run_dir} holds a previous run ({_previous_run(run_dir, names)}): continue it with "
+                    "resume_from=latest, replace it with overwrite_output_dir=true, or choose another output_dir")
+            removed = [name for name in names if _is_run_entry(name)]
+            for name in removed:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            log.warning("overwrite_output_dir: removed the previous run in %s (%s)", run_dir, ", ".join(removed))
+        if not (run_dir / RUN_RECORD).is_file():  # a new run, a replaced one, or a folder of an older dflash
+            (run_dir / RUN_RECORD).write_text(json.dumps({"run_id": uuid.uuid4().hex,
+                                                          "created": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _names(run_dir: Path) -> list[str]:
+    """The folder's entries, less the lock file (none for a missing folder)."""
+    return sorted(n for n in os.listdir(run_dir) if n != LOCK_NAME) if run_dir.is_dir() else []
+
+
+class RunFolder:
+    """`with RunFolder(output_dir, resume_from, overwrite, rank, world_size) as run_dir:` the run's folder,
+    claimed and locked by rank 0 and cleaned of what its own interrupted saves left before any rank goes
+    on (a barrier under several processes); the lock is released when the block ends."""
+
+    def __init__(self, output_dir: str | os.PathLike[str], *, resume_from: str | None, overwrite: bool,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.run_dir, self.resume_from, self.overwrite = Path(output_dir), resume_from, overwrite
+        self.rank, self.world_size = rank, world_size
+        self.lock: RunLock | None = None
+
+    def __enter__(self) -> Path:
+        if self.rank == 0:
+            self.lock = claim(self.run_dir, resume_from=self.resume_from, overwrite=self.overwrite)
+            try:
+                prepare_run_dir(self.run_dir)  # writable? and what interrupted saves / deletions left (logged)
+            except BaseException:
+                self.lock.release()
+                raise
+        if self.world_size > 1:
+            dist.barrier()  # the other ranks read checkpoints only once rank 0 has claimed and cleaned
+        return self.run_dir
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.lock is not None:
+            self.lock.release()
