@@ -13,20 +13,29 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from dflash.presets import embedded_preset
 
-DISTRIBUTED_MODES = ("ddp", "fsdp2")  # how the draft is spread over processes (one process: no effect)
+# The choices of a key are its type: `_convert` refuses others when a key is set, `validate` when a field
+# was assigned in code, both from the Literal (`choice_errors`), and `dflash config` lists them.
+Kind = Literal["dflash", "domino"]
+Attention = Literal["auto", "sdpa", "flex"]
+PositionWeights = Literal["decay", "dpace", "none"]
+Labels = Literal["data", "target"]
+Distributed = Literal["ddp", "fsdp2"]  # how the draft is spread over processes (one process: no effect)
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
+ParamDtype = Literal["float32", "bfloat16"]
+Sink = Literal["wandb", "tensorboard"]
 
 
 @dataclass
 class DraftSettings:
     """The draft model and its block objective."""
 
-    kind: str = "dflash"  # dflash | domino
+    kind: Kind = "dflash"  # the draft family: DFlash, or Domino (a causal GRU correction head)
     num_layers: int = 1
     block_size: int = 16
     num_anchors: int = 512  # N: anchors per row (the most; static widths)
@@ -44,9 +53,9 @@ class DraftSettings:
     loss_decay_gamma: float | str | None = "auto"
     # Position weights of the block loss: decay (the decay above), dpace (D-PACE, arXiv 2605.18810: from
     # the draft's own confidence, smoothed by dpace_alpha; DFlash drafts) or none (every slot weighs 1)
-    position_weights: str = "decay"
+    position_weights: PositionWeights = "decay"
     dpace_alpha: float = 0.5
-    attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex
+    attention: Attention = "auto"  # auto: flex on GPU, sdpa on CPU
 
 
 @dataclass
@@ -96,7 +105,7 @@ class DataSettings:
     # Each of the first N user messages of a training conversation asked on its own, as a single-turn
     # prompt (1: the first user turn only). More prompts of the kind the speculative evaluation decodes.
     standalone_turns: int = 1
-    labels: str = "data"  # data: learn the tokens; target: learn the target's greedy next token
+    labels: Labels = "data"  # data: learn the tokens; target: learn the target's greedy next token
     num_workers: int = 2
     cache_dir: str | None = None  # default: $DFLASH_CACHE or ~/.cache/dflash
     # Offline target features (written by `dflash features`): train from this folder instead of running the
@@ -134,11 +143,12 @@ class TrainConfig:
     batch_size: int = 8  # rows per micro-batch (per rank)
     ce_chunk_size: int = 4096  # tokens per LM-head pass in the chunked CE
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
-    param_dtype: str = "float32"  # draft weights and AdamW state: float32 (master weights) | bfloat16
+    dtype: ComputeDtype = "auto"  # compute dtype; auto: bf16 on GPU, fp32 on CPU
+    param_dtype: ParamDtype = "float32"  # draft weights and AdamW state (float32: master weights)
     compile: bool = False  # torch.compile the draft and the CE chunks (flex attention is always compiled on GPU)
+    fp8: bool = False  # float8 GEMMs (rowwise scaling, torchao) in the draft's linear layers; FP8 GPUs (sm 8.9+)
     cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
-    distributed: str = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)
+    distributed: Distributed = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)
     output_dir: str = "runs/dflash"  # a new or empty folder, or a previous run's with resume_from / overwrite_output_dir
     overwrite_output_dir: bool = False  # replace the previous run in output_dir (only the files dflash writes)
     log_interval: int = 10  # steps between metric flushes (the only sync of a normal step)
@@ -146,7 +156,7 @@ class TrainConfig:
     save_interval: int = 0  # steps between checkpoints (0: only at the end)
     keep_last: int = 3  # checkpoints kept
     resume_from: str | None = None  # latest | a checkpoint folder | a run folder
-    report_to: list[str] = field(default_factory=list)  # wandb, tensorboard (console + JSONL always)
+    report_to: list[Sink] = field(default_factory=list)  # console + JSONL always
     progress_bar: bool = True
     max_nonfinite_skips: int = 20  # consecutive skipped (non-finite) updates before the run stops
     init_from: str | None = None  # warm start: weights of an exported draft folder (not a resume)
@@ -159,17 +169,13 @@ class TrainConfig:
     def validate(self) -> None:
         """Range-check every numeric option at start (a bad value must not fail at step 10,000)."""
         checks = [
-            (self.draft.kind in ("dflash", "domino"), "draft.kind must be 'dflash' or 'domino'"),
             (self.draft.num_layers >= 1, "draft.num_layers must be >= 1"),
             (self.draft.block_size >= 2, "draft.block_size must be >= 2 (slot 0 is the anchor)"),
             (self.draft.num_anchors >= 1, "draft.num_anchors must be >= 1"),
-            (self.draft.attention in ("auto", "sdpa", "flex"), "draft.attention must be auto, sdpa or flex"),
             (self.draft.loss_decay_gamma in (None, "auto") or (not isinstance(self.draft.loss_decay_gamma, str)
                                                                and self.draft.loss_decay_gamma > 0),
              "draft.loss_decay_gamma must be auto, a number > 0 or null (off)"),
             (self.draft.anchor_widths >= 1, "draft.anchor_widths must be >= 1 (1: always num_anchors)"),
-            (self.draft.position_weights in ("decay", "dpace", "none"),
-             "draft.position_weights must be decay, dpace or none"),
             (not (self.draft.position_weights == "dpace" and self.draft.kind == "domino"),
              "draft.position_weights: dpace is for DFlash drafts (a Domino draft's mixed loss takes decay or none); "
              "add draft.kind=dflash (the embedded default trains a Domino draft on a GPU)"),
@@ -198,12 +204,10 @@ class TrainConfig:
             (self.spec_eval_interval_prompts >= 0, "spec_eval_interval_prompts must be >= 0"),
             (self.spec_eval_prompts >= 0 and self.spec_eval_max_new_tokens >= 1,
              "spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens >= 1"),
-            (set(self.report_to) <= {"wandb", "tensorboard"}, "report_to takes wandb and/or tensorboard"),
             (self.data.max_length >= self.draft.block_size + 1, "data.max_length must exceed draft.block_size"),
             (self.data.bucket_multiple >= 1, "data.bucket_multiple must be >= 1"),
             (self.data.eval_size >= 0, "data.eval_size must be >= 0"),
             (self.data.limit is None or self.data.limit >= 1, "data.limit must be >= 1"),
-            (self.data.labels in ("data", "target"), "data.labels must be 'data' or 'target'"),
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
             (self.data.regenerate_turns >= 1, "data.regenerate_turns must be >= 1"),
@@ -211,16 +215,12 @@ class TrainConfig:
             (self.data.standalone_turns == 1 or (self.data.regenerate and self.data.regenerate_turns == 1),
              "data.standalone_turns > 1 asks user messages as single-turn prompts of the target: it needs "
              "data.regenerate=true and data.regenerate_turns=1"),
-            (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
-            (self.param_dtype in ("float32", "bfloat16"), "param_dtype must be float32 or bfloat16"),
-            (self.distributed in DISTRIBUTED_MODES,
-             f"distributed must be one of {', '.join(DISTRIBUTED_MODES)} (got {self.distributed!r})"),
             (self.tensor_parallel.size >= 1, "tensor_parallel.size must be >= 1 (1: the target is not sharded)"),
             (self.tensor_parallel.size == 1 or not self.cuda_graph,
              "cuda_graph: true is not supported with tensor_parallel.size > 1 (an untested combination): set "
              "cuda_graph: false, or tensor_parallel.size: 1 for a target that fits one GPU"),
         ]
-        errors = [msg for ok, msg in checks if not ok]
+        errors = choice_errors(self) + [msg for ok, msg in checks if not ok]
         if errors:
             raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
 
@@ -315,9 +315,37 @@ def _keys(obj: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _convert(value: Any, hint: Any, key: str) -> Any:
-    """Coerce YAML-parsed `value` to `hint` (int, float, str, bool, list[int], unions with None)."""
+def _choice_error(value: Any, hint: Any, key: str) -> str | None:
+    """The message for a value outside a `Literal` key's choices (or any of a list's items), else None."""
     origin = typing.get_origin(hint)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return next((e for v in value if (e := _choice_error(v, inner, key))), None)
+    if origin is Literal and value not in typing.get_args(hint):
+        return f"{key} must be one of {', '.join(map(str, typing.get_args(hint)))} (got {value!r})"
+    return None
+
+
+def choice_errors(obj: Any, prefix: str = "") -> list[str]:
+    """Every key of a (nested) settings dataclass whose value is outside its `Literal` choices."""
+    hints, errors = typing.get_type_hints(type(obj)), []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            errors += choice_errors(value, key + ".")
+        elif (error := _choice_error(value, hints[f.name], key)) is not None:
+            errors.append(error)
+    return errors
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    """Coerce YAML-parsed `value` to `hint` (int, float, str, bool, a Literal's choices, list[...], unions
+    with None)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if (error := _choice_error(value, hint, key)) is not None:
+            raise ValueError(error)
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
         if value is None and type(None) in options:

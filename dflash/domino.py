@@ -75,7 +75,7 @@ from dflash.losses import (
 )
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import BlockOutput, DFlashObjective
-from dflash.target.frozen import FrozenTarget
+from dflash.target.frozen import Target
 
 PROJECTOR_TYPE = "domino"
 DOMINO_WEIGHT_NAMES = frozenset(
@@ -181,7 +181,7 @@ class DominoObjective(DFlashObjective):
 
     metrics_variant = "domino"
 
-    def __init__(self, target: FrozenTarget, draft: DominoDraftModel, *, lambda_start: float = 1.0,
+    def __init__(self, target: Target, draft: DominoDraftModel, *, lambda_start: float = 1.0,
                  decay_ratio: float = 0.5, scheduled_sampling: float = 0.0, **kwargs: Any) -> None:
         if not isinstance(draft, DominoDraftModel):
             raise TypeError(f"a Domino objective needs a DominoDraftModel, got {type(draft).__name__} "

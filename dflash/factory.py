@@ -1,18 +1,16 @@
 """One place that turns a `TrainConfig` into a draft and its objective, for DFlash and Domino drafts, and
 the target they train against (replicated, sharded over a tensor-parallel group: `prepare_target`, or
-under `data.features` only its embedding and head: `offline_target`; `write_run_features` writes those
-features, `dflash features`).
+under `data.features` only its embedding and head: `offline_target`).
 
 It sits above `objective.py` and `domino.py` so neither has to know the other: the trainer, the
-`transformers.Trainer` module, the dry run (on the meta device) and checkpoint / export loading all
-build through here, so a Domino draft is sized the same way everywhere.
+`transformers.Trainer` module, the dry run (on the meta device) and `dflash features` build through
+here, so a Domino draft is sized the same way everywhere (storage rebuilds drafts through `drafts.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,22 +18,13 @@ from torch import nn
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.data.corpus import prepare_corpus
 from dflash.data.feature_data import check_run_features
-from dflash.data.features import (
-    HELD_OUT_PART,
-    TRAIN_PART,
-    dtype_name,
-    estimate_bytes,
-    part_dir,
-    write_features,
-    write_split_record,
-)
-from dflash.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, is_domino
+from dflash.domino import DominoHeadConfig, DominoObjective
+from dflash.drafts import draft_model_for_config
 from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
-from dflash.runtime import load_target, load_target_config, load_tokenizer, resolve_device, resolve_dtype, target_location
+from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
 from dflash.target.frozen import FrozenTarget, resolve_mask_token_id
 from dflash.target.offline import OfflineTarget
 from dflash.target.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
@@ -66,11 +55,6 @@ def draft_config_for(config: TrainConfig, target_config: Any, tokenizer: Any, vo
     return cfg
 
 
-def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
-    """A `DominoDraftModel` when the config says `projector_type: domino`, else a DFlash draft."""
-    return DominoDraftModel(cfg) if is_domino(cfg) else DFlashDraftModel(cfg)
-
-
 def _hf_model(target_model: Any) -> Any:
     """The HF causal LM of a target: itself, or the (sharded) model a `TensorParallelTarget` holds."""
     return target_model.model if isinstance(target_model, TensorParallelTarget) else target_model
@@ -87,7 +71,7 @@ def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlas
     return draft_model_for_config(draft_config_for(config, hf_config, tokenizer, vocab_rows))
 
 
-def _layer_ids(config: TrainConfig, hf_config: Any, tokenizer: Any, vocab_rows: int) -> list[int]:
+def target_layer_ids_for(config: TrainConfig, hf_config: Any, tokenizer: Any, vocab_rows: int) -> list[int]:
     """The target layers the configured draft reads, from its config alone (no weights, no RNG drawn)."""
     return draft_config_for(config, hf_config, tokenizer, vocab_rows).target_layer_ids
 
@@ -106,12 +90,12 @@ def offline_target(config: TrainConfig, target: Any, tokenizer: Any, *, dtype: t
     tokenizer = tokenizer or load_tokenizer(config.target)
     if target is not None:
         rows = target.get_input_embeddings().weight.shape[0]
-        offline = OfflineTarget.from_model(target, _layer_ids(config, target.config, tokenizer, rows))
+        offline = OfflineTarget.from_model(target, target_layer_ids_for(config, target.config, tokenizer, rows))
     else:
         hf_config = load_target_config(config.target)
         text = text_config_of(hf_config)
-        offline = OfflineTarget.from_pretrained(config.target, _layer_ids(config, hf_config, tokenizer, text.vocab_size),
-                                                dtype)
+        layer_ids = target_layer_ids_for(config, hf_config, tokenizer, text.vocab_size)
+        offline = OfflineTarget.from_pretrained(config.target, layer_ids, dtype)
     check_run_features(config.data.features, target_name=config.target, target_config=offline.text_config,
                        layer_ids=offline.layer_ids, dtype=dtype, tokenizer=tokenizer, max_length=config.data.max_length,
                        labels=config.data.labels == "target", target=offline)
@@ -144,10 +128,10 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
                     "target's replies from the cache only (a prompt not answered there stops the run)", size)
     schedule = schedule_for(config.tensor_parallel.overlap)
     if target is not None:
-        layer_ids = _layer_ids(config, hf_config, tokenizer, target.get_input_embeddings().weight.shape[0])
+        layer_ids = target_layer_ids_for(config, hf_config, tokenizer, target.get_input_embeddings().weight.shape[0])
         return TensorParallelTarget(target, layer_ids, mesh, schedule=schedule), tokenizer
     tokenizer = tokenizer or load_tokenizer(config.target)
-    layer_ids = _layer_ids(config, hf_config, tokenizer, text.vocab_size)
+    layer_ids = target_layer_ids_for(config, hf_config, tokenizer, text.vocab_size)
     return TensorParallelTarget.from_pretrained(target_location(config.target), layer_ids, mesh, dtype=dtype,
                                                 device=device, schedule=schedule), tokenizer
 
@@ -200,42 +184,3 @@ def objective_for(config: TrainConfig, target: nn.Module, draft: nn.Module, *, d
         return DominoObjective(target, draft, lambda_start=d.lambda_start, decay_ratio=d.decay_ratio,
                                scheduled_sampling=d.scheduled_sampling, **common)
     return DFlashObjective(target, draft, **common)
-
-
-def write_run_features(config: TrainConfig, *, target: Any = None, tokenizer: Any = None) -> dict[str, Path]:
-    """`dflash features`: the target's features of a run's rows, written once to `data.features`; the part
-    folders written ({"train": DIR/train, "held_out": DIR/held_out}, `dflash.data.features`).
-
-    The rows are the run's own: the corpus prepared as `dflash train` prepares it (regeneration, tokenization,
-    held-out split; `corpus.prepare_corpus`), the features those of the draft's `target_layer_ids` in the run's
-    compute dtype, with the target's greedy labels under `data.labels: target`. The size is logged before any
-    row is computed; an interrupted run resumes and a finished one is left as it is (`write_features`)."""
-    root = config.data.features
-    if not root:
-        raise ValueError("dflash features writes to the folder data.features names: set data.features=DIR (then "
-                         "`dflash train data.features=DIR` trains from it)")
-    config.validate()
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    if target is None:
-        target, loaded = load_target(config.target, dtype)
-        tokenizer = tokenizer or loaded
-    tokenizer = tokenizer or load_tokenizer(config.target)
-    target.to(device)
-    layer_ids = _layer_ids(config, target.config, tokenizer, target.get_input_embeddings().weight.shape[0])
-    corpus = prepare_corpus(config.data, tokenizer, target, config.target)
-    parts = {TRAIN_PART: corpus.train, HELD_OUT_PART: corpus.eval}
-    frozen = FrozenTarget(target, layer_ids).to(device, dtype)
-    labels = config.data.labels == "target"
-    tokens = {part: sum(min(len(ids), config.data.max_length) for ids in rows["input_ids"])
-              for part, rows in parts.items() if rows is not None}
-    total = estimate_bytes(sum(tokens.values()), frozen.hidden_size * len(layer_ids), dtype, labels)
-    log.info("features of layers %s (%s) to %s: %s tokens, about %.2f GiB", layer_ids, dtype_name(dtype), root,
-             " + ".join(f"{n} {part}" for part, n in tokens.items()), total / 2**30)
-    written = {part: write_features(frozen, config.target, rows, part_dir(root, part), tokenizer=tokenizer,
-                                    dtype=dtype, max_length=config.data.max_length, labels=labels,
-                                    batch_size=config.batch_size, progress=config.progress_bar)
-               for part, rows in parts.items() if rows is not None}
-    if corpus.held_out_split is not None:  # a run from these files exports it (`dflash eval` decodes its prompts)
-        write_split_record(root, corpus.held_out_split)
-    return written

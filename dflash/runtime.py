@@ -113,6 +113,9 @@ def check_run_settings(config: TrainConfig, world_size: int, device: torch.devic
                          "distributed: ddp or cuda_graph: false")
     if config.cuda_graph and device.type != "cuda":
         raise ValueError("cuda_graph: true needs a CUDA device")
+    if config.fp8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError("fp8: true needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, H100, "
+                         "H200, B200); set fp8: false")
     tp = config.tensor_parallel.size
     if world_size % tp:
         raise ValueError(f"tensor_parallel.size={tp} needs a number of processes that is a multiple of it, and this "

@@ -39,6 +39,7 @@ from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel, allow_compiled_shapes
 from dflash.objective import DFlashObjective
 from dflash.optim import build_optimizer, lr_at
+from dflash.precision import convert_to_fp8
 from dflash.preflight import check_dependencies
 from dflash.report.console import ProgressBar, quiet_datasets, start_of_run
 from dflash.report.sinks import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
@@ -107,6 +108,8 @@ class DFlashTrainer:
         self.draft.to(DTYPES[config.param_dtype])
         if config.init_from:  # warm start from an exported draft: weights only, a fresh run otherwise
             self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
+        if config.fp8:  # before wrapping and compiling: they see the Float8Linear modules
+            log.info("fp8: float8 GEMMs in %d linear layers of the draft", len(convert_to_fp8(self.draft)))
         # What the objective calls to run the draft across ranks (DDP or FSDP2; either way only the last
         # micro-batch of a window communicates gradients), compiled when asked.
         self.parallel = DataParallelDraft(self.draft, mode=config.distributed, world_size=self.world_size,

@@ -50,6 +50,7 @@ import os
 import statistics
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +61,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import DISTRIBUTED_MODES, DominoSettings, TrainConfig  # noqa: E402
+from dflash.config import Distributed, DominoSettings, TrainConfig  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.domino import DominoHeadConfig  # noqa: E402
-from dflash.factory import build_objective, draft_model_for_config, objective_for  # noqa: E402
+from dflash.drafts import draft_model_for_config  # noqa: E402
+from dflash.factory import build_objective, objective_for  # noqa: E402
 from dflash.modeling import DFlashDraftConfig  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
@@ -166,7 +168,8 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
                       batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
-                      cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed)
+                      cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed,
+                      fp8=args.fp8)
     cfg.draft.kind, cfg.draft.num_anchors, cfg.draft.block_size = args.kind, s.anchors, s.block
     cfg.draft.attention = args.attention
     cfg.domino = DominoSettings(emb_dim=s.emb_dim, gru_hidden_dim=s.gru_hidden, pure_draft_prefix_len=1,
@@ -441,11 +444,12 @@ def main() -> int:
     p.add_argument("--compile-loss", action="store_true",
                    help="compile the CE chunks alone (the draft eager), as a config without compile: true could")
     p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="float8 GEMMs in the draft's linear layers (fp8: true; torchao)")
     p.add_argument("--ce-chunk", type=int, default=2048)
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
     p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
     p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--distributed", choices=DISTRIBUTED_MODES,
+    p.add_argument("--distributed", choices=typing.get_args(Distributed),
                    help="under torchrun / accelerate launch: replicate (ddp, the default) or shard (fsdp2) the draft")
     p.add_argument("--kind", choices=["dflash", "domino"], default="dflash", help="draft kind, in every configuration")
     p.add_argument("--no-shift-label", dest="shift_label", action="store_false",
@@ -491,7 +495,7 @@ def main() -> int:
         "config": args.config, "kind": args.kind, "draft": type(trainer.draft).__name__,
         "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
         "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
-        "compile_loss": args.compile_loss,
+        "compile_loss": args.compile_loss, "fp8": args.fp8,
         "cuda_graph": args.cuda_graph, "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
         "matmul_peak_tflops": peak / 1e12, "peak_mem_gib": peak_mem,

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import os
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import DISTRIBUTED_MODES, TrainConfig  # noqa: E402
+from dflash.config import Distributed, TrainConfig  # noqa: E402
 from dflash.data.loader import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
@@ -165,7 +166,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--graph-steps", type=int, default=20)
     p.add_argument("--tolerance", type=float, default=5e-3, help="max relative loss difference graph vs eager")
-    p.add_argument("--distributed", choices=DISTRIBUTED_MODES, default="ddp",
+    p.add_argument("--distributed", choices=typing.get_args(Distributed), default="ddp",
                    help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
     p.add_argument("--kind", choices=["dflash", "domino"], default="dflash",
                    help="draft kind (domino: the default Domino head, GRU 1024 and emb_dim 256 on a GPU)")

@@ -450,3 +450,18 @@ def test_sigterm_exits_with_143_and_export_reads_no_optimizer_state(trained_run,
     (run / "checkpoints" / "step-00000005" / "trainer_state.pt").unlink()
     assert main(["export", str(run), str(tmp_path / "exported")]) == 0
     assert "step-00000005" in capsys.readouterr().out and (tmp_path / "exported" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("key,bad", [("draft.kind", "eagle"), ("draft.attention", "xformers"),
+                                     ("draft.position_weights", "linear"), ("data.labels", "teacher"),
+                                     ("dtype", "float16"), ("param_dtype", "auto"), ("distributed", "zero3")])
+def test_a_choice_outside_its_literal_type_is_refused_when_set_and_when_assigned(key, bad):
+    """The choices are written once, as the field's Literal type: the override and a direct assignment in
+    code are both refused with the same message, which lists them."""
+    with pytest.raises(ValueError, match=f"{key} must be one of .* \\(got '{bad}'\\)"):
+        TrainConfig.from_sources(None, [f"{key}={bad}"], presets=False)
+    cfg = TrainConfig()
+    section, _, name = key.rpartition(".")
+    setattr(getattr(cfg, section) if section else cfg, name, bad)
+    with pytest.raises(ValueError, match=f"{key} must be one of .* \\(got '{bad}'\\)"):
+        cfg.validate()

@@ -64,9 +64,10 @@ FORKSERVER = multiprocessing.get_context("forkserver")
 # What a run imports, paid once by the server (this module too: the children unpickle `_run_dflash` from it).
 FORKSERVER.set_forkserver_preload(["test_faults", "dflash.trainer", "datasets", "pandas",
                                    "transformers.models.llama.modeling_llama"])
-# SIGKILLed workers' fd-sharing thread may print this after its parent is gone (not the run's doing).
+# The fd-sharing thread of a SIGKILLed group may print this when a worker died a moment before the main
+# process (EOFError, or ConnectionResetError mid-handshake): the kill's noise, not the run's doing.
 ORPHANED_WORKER = re.compile(r"Traceback \(most recent call last\):\n  File \S*multiprocessing/resource_sharer\.py"
-                             r"[^\n]*in _serve\n(?:  .*\n)*?EOFError\n?")
+                             r"[^\n]*in _serve\n(?:  .*\n)*?(?:EOFError|ConnectionResetError: [^\n]*)\n?")
 
 
 class Hung(Exception):

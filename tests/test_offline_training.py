@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import dflash.factory as factory_module
+import dflash.cli.features as features_command
 from conftest import make_tiny_target, tiny_config
 from dflash.cli.main import main
 from dflash.config import TrainConfig
@@ -151,21 +151,21 @@ def test_features_command_skips_a_finished_folder_and_resumes_an_interrupted_one
     assert "features already complete" in capsys.readouterr().err
 
     # Small shards; the first run stops after one shard of the training part (as a killed run would).
-    real = factory_module.write_features
+    real = features_command.write_features
 
     def write(stop_first: list[bool], *args, **kwargs):
         stop = stop_first.pop() if stop_first else None
         return real(*args, **kwargs, shard_rows=5, stop_after_shards=1 if stop else None)
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    monkeypatch.setattr(factory_module, "write_features", functools.partial(write, []))
+    monkeypatch.setattr(features_command, "write_features", functools.partial(write, []))
     assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={straight}")]) == 0
-    monkeypatch.setattr(factory_module, "write_features", functools.partial(write, [True]))
+    monkeypatch.setattr(features_command, "write_features", functools.partial(write, [True]))
     assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={resumed}")]) == 0
     assert not (resumed / TRAIN_PART / MANIFEST).exists()  # interrupted after its first shard
     [kept] = (resumed / TRAIN_PART).glob("shard-*")
     written = kept.stat().st_ino, kept.stat().st_mtime_ns
-    monkeypatch.setattr(factory_module, "write_features", functools.partial(write, []))
+    monkeypatch.setattr(features_command, "write_features", functools.partial(write, []))
     assert main(["features", *_settings(tiny_target_dir, conversations_file, cache, f"data.features={resumed}")]) == 0
     assert (kept.stat().st_ino, kept.stat().st_mtime_ns) == written  # kept, not computed again
     assert len(list((straight / TRAIN_PART).glob("shard-*"))) > 1

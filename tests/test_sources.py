@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash.data.loader import sources
+from dflash.data import sources
 from dflash.data.sources import load_conversations
 
 SYSTEM = "You are terse."

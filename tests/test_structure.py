@@ -106,3 +106,40 @@ def test_dflash_imports_are_at_the_top_of_each_file():
 def test_module_is_small_enough_to_read(module):
     lines = len(_modules()[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines (limit {MAX_LINES}): split it by concern"
+
+
+# The layers as folders: what each subpackage (and the trainer / factory hubs) may not import. A folder
+# low in the stack importing one above it is an upward arrow.
+LAYERS = ("target", "data", "run", "evaluation", "report", "hf", "cli")
+FORBIDDEN = {
+    "target": {"data", "run", "evaluation", "report", "hf", "cli", "dflash.trainer", "dflash.factory"},
+    "data": {"run", "evaluation", "hf", "cli", "dflash.trainer", "dflash.factory"},
+    "run": {"data", "evaluation", "hf", "cli", "dflash.trainer", "dflash.factory"},
+    "report": {"target", "data", "run", "evaluation", "hf", "cli", "dflash.trainer", "dflash.factory"},
+    "evaluation": {"hf", "cli", "dflash.trainer", "dflash.factory"},
+    "dflash.trainer": {"hf", "cli"},
+    "dflash.factory": {"run", "evaluation", "hf", "cli", "dflash.trainer"},
+}
+
+
+def _place(module: str) -> str:
+    """A module's folder (`target`, `data`, ...), or the module itself when it sits at the top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else module
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if _place(t) in FORBIDDEN.get(_place(m), set()))
+
+
+def test_the_layer_check_sees_a_planted_upward_import():
+    graph = {"dflash.target.frozen": {"dflash.modeling"}, "dflash.run.checkpoint": {"dflash.drafts"}}
+    assert layer_violations(graph) == []
+    graph["dflash.target.frozen"].add("dflash.data.corpus")
+    graph["dflash.run.checkpoint"].add("dflash.factory")
+    assert layer_violations(graph) == ["dflash.run.checkpoint -> dflash.factory", "dflash.target.frozen -> dflash.data.corpus"]
+
+
+def test_each_layer_imports_only_what_is_below_it():
+    assert not (found := layer_violations(import_graph())), "imports against the layers: " + ", ".join(found)

@@ -9,7 +9,8 @@ import pytest
 from test_sources import CHAT, SYSTEM, write_jsonl
 from transformers import AutoTokenizer
 
-from dflash.data.loader import Collator, make_dataloader, tokenization
+from dflash.data import tokenization
+from dflash.data.loader import Collator, make_dataloader
 from dflash.data.sources import dataset_report, load_conversations
 from dflash.data.tokenization import build_dataset, tokenize_conversation
 from dflash.embedded import embedded_target_dir

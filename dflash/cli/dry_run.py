@@ -14,8 +14,9 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations
 from dflash.data.regenerate import prompt_id, prompt_turns
+from dflash.drafts import draft_model_for_config
 from dflash.embedded import cache_root, embedded_target_dir
-from dflash.factory import draft_config_for, draft_model_for_config
+from dflash.factory import draft_config_for
 from dflash.files import format_bytes
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of

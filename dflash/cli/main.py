@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _features(args: argparse.Namespace) -> int:
-    from dflash.factory import write_run_features
+    from dflash.cli.features import write_run_features
     from dflash.runtime import launch_process_group
 
     config = _checked_config(args)

@@ -62,9 +62,10 @@ from torch import nn
 
 from dflash.config import HELD_OUT_SPLIT_KEYS
 from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
-from dflash.factory import draft_model_for_config
+from dflash.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.run.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
+from dflash.target.frozen import hf_model_of
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -323,7 +324,7 @@ def check_compatible(draft_config: DFlashDraftConfig, target_model: nn.Module) -
     in range, embedding rows (and LM-head rows) against `vocab_size`, and the mask token's row.
     Accepts an HF causal LM or a `FrozenTarget`.
     """
-    model = target_model.model if hasattr(target_model, "layer_ids") else target_model
+    model = hf_model_of(target_model)
     cfg = model.config
     text = text_config_of(cfg)
     layers = text.num_hidden_layers

@@ -54,7 +54,7 @@ from dflash.domino import DominoDraftModel, domino_propose
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftModel, cache_kwarg
 from dflash.report.console import progress
-from dflash.target.frozen import capture_layer_outputs
+from dflash.target.frozen import capture_layer_outputs, hf_model_of
 
 
 class LosslessError(AssertionError):
@@ -122,12 +122,6 @@ def _target_forward(model: nn.Module, ids: torch.Tensor, cache: Any, *, last_onl
     out = model(**kwargs)
     new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
     return out.logits, new_cache
-
-
-def _unwrap(target_model: nn.Module) -> nn.Module:
-    """Accept an HF causal LM or a `FrozenTarget` (which holds one in `.model`)."""
-    inner = getattr(target_model, "model", None)
-    return inner if hasattr(target_model, "layer_ids") and isinstance(inner, nn.Module) else target_model
 
 
 # ---- the draft side ------------------------------------------------------------------------------
@@ -225,7 +219,7 @@ def speculative_generate(
     block_size: int | None = None,
 ) -> SpecResult:
     """Greedy speculative decoding of one prompt (`[S]` or `[1, S]`); see the module doc."""
-    model = _unwrap(target_model)
+    model = hf_model_of(target_model)
     cfg = draft.config
     bs = block_size or cfg.block_size
     if bs < 2:
@@ -285,7 +279,7 @@ def speculative_generate(
 def target_generate(target_model: nn.Module, input_ids: Any, max_new_tokens: int,
                     stop_token_ids: Iterable[int] | None = None) -> SpecResult:
     """Plain greedy decoding with a KV cache: the speed baseline and the lossless reference."""
-    model = _unwrap(target_model)
+    model = hf_model_of(target_model)
     stops = set(stop_token_ids or ())
     device = model.get_input_embeddings().weight.device
     ids = _prompt_tensor(input_ids, device)

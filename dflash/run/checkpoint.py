@@ -50,7 +50,7 @@ import yaml
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from dflash.factory import draft_model_for_config
+from dflash.drafts import draft_model_for_config
 from dflash.files import write_atomic
 from dflash.modeling import DFlashDraftConfig
 

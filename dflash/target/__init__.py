@@ -3,18 +3,21 @@ the offline features' stand-in (`offline`), and the tensor-parallel one (`tensor
 overlapped trunk `tp_overlap`, its group and batch sharing `tp_group`, its lockstep decoding `tp_decode`).
 Imports nothing from the data, run or evaluation layers.
 
-`from dflash.target import FrozenTarget, ...` keeps naming the frozen target's pieces."""
+`from dflash.target import FrozenTarget, Target, ...` names the frozen target's pieces and the declared
+interface every target implements."""
 
 from dflash.target.frozen import (
     CAUSAL_WITHOUT_MASK,
     FrozenTarget,
     LayerCapture,
     SharedHead,
+    Target,
     capture_layer_outputs,
     checked_layer_ids,
     greedy_labels,
+    hf_model_of,
     resolve_mask_token_id,
 )
 
-__all__ = ["CAUSAL_WITHOUT_MASK", "FrozenTarget", "LayerCapture", "SharedHead", "capture_layer_outputs",
-           "checked_layer_ids", "greedy_labels", "resolve_mask_token_id"]
+__all__ = ["CAUSAL_WITHOUT_MASK", "FrozenTarget", "LayerCapture", "SharedHead", "Target", "capture_layer_outputs",
+           "checked_layer_ids", "greedy_labels", "hf_model_of", "resolve_mask_token_id"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -76,6 +76,42 @@ def checked_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
         raise ValueError(f"target_layer_ids {list(layer_ids)} out of range: the target has {num_layers} layers "
                          f"(valid ids 0..{num_layers - 1})")
     return list(layer_ids)
+
+
+@runtime_checkable
+class Target(Protocol):
+    """What an objective reads from its frozen target, declared once: `FrozenTarget`, `TensorParallelTarget`,
+    `GroupBatchTarget` and `OfflineTarget` implement it (the embedding and head through `SharedHead`)."""
+
+    layer_ids: list[int]  # the target layers whose outputs are the draft's context features
+
+    @property
+    def text_config(self) -> Any: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """`[B, S]` token ids -> `[B, S, H]` frozen embeddings."""
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[B, S]` ids -> the features `[B, S, K*H]` of the K layers in `layer_ids` (no grad)."""
+
+    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features and the target's greedy next tokens `[B, S]` (`data.labels: target`)."""
+
+
+def hf_model_of(model: nn.Module) -> nn.Module:
+    """The HF causal LM behind a target that wraps one (`FrozenTarget`, the tensor-parallel targets: their
+    `.model`), or `model` itself when it is the HF model: the one rule for code that accepts either."""
+    inner = getattr(model, "model", None) if isinstance(model, SharedHead) else None
+    return inner if isinstance(inner, nn.Module) else model
 
 
 class SharedHead:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.modeling import text_config_of
-from dflash.target.frozen import CAUSAL_WITHOUT_MASK, SharedHead, checked_layer_ids, greedy_labels
+from dflash.target.frozen import CAUSAL_WITHOUT_MASK, SharedHead, checked_layer_ids, greedy_labels, hf_model_of
 from dflash.target.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
 # Decoders whose forward is embed -> rotary -> [norm, attention, residual, norm, MLP, residual] * L
@@ -349,7 +349,7 @@ def target_parameter_bytes(target: nn.Module) -> dict[str, int]:
     `TensorParallelTarget`, `GroupBatchTarget` or an HF causal LM itself, meta tensors included): "layers"
     (the decoder layers: what TP shards), "embedding", "lm_head" (0 when tied to the embedding), "other"
     (final norm, rotary tables), "total"."""
-    model = target.model if hasattr(target, "layer_ids") else target
+    model = hf_model_of(target)
     decoder = model.get_decoder()
 
     def nbytes(tensors: Any) -> int:
