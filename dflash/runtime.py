@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import hashlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
+from huggingface_hub import snapshot_download
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.embedded import embedded_target_dir, load_embedded_target
@@ -30,19 +33,52 @@ if TYPE_CHECKING:  # annotations only
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the config's dtype names
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 log = logging.getLogger("dflash")
+_CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # "QUOTA PERIOD" or "max PERIOD" (cgroup v2)
+_THREADS_SAID = False
+
+
+def cpu_threads() -> int:
+    """torch threads for this process on a CPU: OMP_NUM_THREADS when set; else the CPUs this process may run
+    on (its affinity, capped by a cgroup CPU quota) shared among the launch's local processes. torch's own
+    default counts the host's cores: on shared cores that oversubscribed them, 15x slower than one thread."""
+    if (env := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(env) > 0:
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path(_CGROUP_CPU_MAX).read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota: the affinity alone
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def use_cpu_threads() -> None:
+    """Set `cpu_threads()` for torch, saying so once per process (and how to change it)."""
+    global _THREADS_SAID
+    threads = cpu_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if not _THREADS_SAID:
+        log.info("CPU: %d torch thread(s) per process (set OMP_NUM_THREADS to change)", threads)
+        _THREADS_SAID = True
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto": this process's GPU (cuda:LOCAL_RANK under a launcher) when there is one, else the CPU. A
-    named CUDA device that this machine lacks is a ValueError saying so (not an assertion deep in torch)."""
+    """"auto": this process's GPU (cuda:LOCAL_RANK under a launcher) when there is one, else the CPU, whose
+    thread count is then chosen (`use_cpu_threads`). A named CUDA device that this machine lacks is a
+    ValueError saying so (not an assertion deep in torch)."""
     if name == "auto":
         if not torch.cuda.is_available():
+            use_cpu_threads()
             return torch.device("cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     try:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"device={name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if device.type == "cpu":
+        use_cpu_threads()
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -70,6 +106,40 @@ def target_location(name: str) -> str:
     if not path.is_dir() and (path.exists() or path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
         raise FileNotFoundError(f"target={name}: no such model folder")  # a path, not a hub id
     return name
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Files up to 1 GiB are hashed whole; larger ones by a 64 KiB block every 16 MiB, with their head and tail.
+_WHOLE_FILE, _SAMPLE_BYTES, _SAMPLE_EVERY = 1 << 30, 1 << 16, 1 << 24
+
+
+def weights_fingerprint(name: str) -> str:
+    """12 hex digits that change when the weights behind target `name` change, read from its files without
+    loading them (so a dry run and the run agree): every weight file's name, size and bytes (a file over
+    1 GiB: its head with the safetensors header, its tail and a 64 KiB block every 16 MiB, so a change
+    confined to a few small tensors of a huge file can escape it). A retrained model saved to the same
+    folder, another hub revision, another project's `./model` get another fingerprint. "unknown" when the
+    files are not on this machine (a hub id not yet downloaded)."""
+    location = target_location(name)
+    folder = Path(location).expanduser()
+    if not folder.is_dir():
+        try:  # a hub id: the local snapshot only, never a download here
+            folder = Path(snapshot_download(location, local_files_only=True))
+        except Exception:  # not cached (or the hub client's own errors): nothing to read
+            return "unknown"
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(folder)}:{size}".encode())
+        with path.open("rb") as f:
+            if size <= _WHOLE_FILE:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                continue
+            for offset in [*range(0, size, _SAMPLE_EVERY), size - _SAMPLE_BYTES]:
+                f.seek(offset)
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
 
 
 def _from_pretrained(name: str, load: Callable[[str], Any]) -> Any:

@@ -19,7 +19,7 @@ from dflash.data.features import save_shard
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import char_budget, tokenize_conversation
 from dflash.embedded import embedded_target_dir
-from dflash.evaluation.export import WEIGHTS_NAME, export_draft, load_exported
+from dflash.evaluation.export import WEIGHTS_NAME, export_draft, exported_folder, load_exported
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.run.checkpoint import save_checkpoint
 
@@ -51,7 +51,17 @@ def test_eval_of_a_missing_or_checkpoint_folder_says_what_it_is(tmp_path, capsys
     ckpt.mkdir(parents=True)
     (ckpt / "draft.safetensors").write_bytes(b"")
     assert main(["eval", "--draft", str(ckpt)]) == 2
-    assert "is a training checkpoint or run folder, not an exported draft" in one_error_line(capsys)
+    assert "is a training checkpoint or a run folder without an export" in one_error_line(capsys)
+
+
+def test_eval_takes_a_run_folder_for_its_export(exported, tmp_path):
+    """As `dflash export` takes a run folder for its newest checkpoint, `dflash eval` takes one for its export."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    for f in exported.iterdir():
+        (run / "export" / f.name).write_bytes(f.read_bytes())
+    assert exported_folder(run) == run / "export" and exported_folder(exported) == exported
+    assert load_exported(run).state_dict().keys() == load_exported(exported).state_dict().keys()
 
 
 def test_an_os_error_names_the_file_not_the_errno(tmp_path, capsys):

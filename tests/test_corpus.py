@@ -10,6 +10,7 @@ import pytest
 import dflash.data.corpus as corpus
 from dflash.config import DataSettings, TrainConfig
 from dflash.data.corpus import first_prompt_id, split_held_out
+from dflash.runtime import weights_fingerprint
 
 
 def conv(cid: str, *users: str) -> dict:
@@ -71,13 +72,13 @@ def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkey
     monkeypatch.setattr(corpus, "build_dataset", fake_build)
     result = corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
     held_prompts = {first_prompt_id(c) for c in held}
-    train_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "train").name]
+    train_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "train", weights_fingerprint("t")).name]
     stale = sum(first_prompt_id(c) in held_prompts for c in convs)
     assert stale > 6  # "hello?" is held out: its 20 conversations' rows were in the cache
     assert not held_prompts & {r["prompt_id"] for r in train_rows}
     assert len(train_rows) == len(convs) - stale
     # The fake cache gave the held-out file every conversation's row too: it keeps the held-out prompts only.
-    eval_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "eval").name]
+    eval_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "eval", weights_fingerprint("t")).name]
     assert {r["prompt_id"] for r in eval_rows} == held_prompts and len(eval_rows) == stale
     assert result.description["cached_rows_not_asked_for"] == {"train": stale, "eval": len(convs) - stale}
 
@@ -99,7 +100,8 @@ def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(t
     source = tmp_path / "convs.jsonl"
     source.write_text("\n".join(json.dumps(c) for c in conversations()))
     settings = DataSettings(source=str(source), eval_size=6, cache_dir=str(tmp_path), standalone_turns=2)
-    single = corpus._regenerated_file(DataSettings(source=str(source), eval_size=6), tmp_path, "t", "train")
+    single = corpus._regenerated_file(DataSettings(source=str(source), eval_size=6), tmp_path, "t", "train",
+                                      weights_fingerprint("t"))
     single.parent.mkdir(parents=True)
     single.write_text("")
     calls = []
@@ -122,7 +124,7 @@ def test_standalone_turns_have_their_own_file_and_reuse_the_first_turn_replies(t
     assert rows == len(corpus._training_rows(train, held, settings)) == 2 * len(train)  # "and then?" twice over
 
     # With a 2-standalone file in the cache, a 3-standalone run takes its replies from there.
-    two = corpus._regenerated_file(settings, tmp_path, "t", "train")
+    two = corpus._regenerated_file(settings, tmp_path, "t", "train", weights_fingerprint("t"))
     calls.clear()
     with pytest.raises(RuntimeError, match="stop before tokenizing"):
         corpus.prepare_corpus(replace(settings, standalone_turns=3), tokenizer=None, target_model=None, target_name="t")

@@ -240,3 +240,17 @@ def test_ranks_stop_and_save_when_the_launcher_is_killed(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["signal"] == "SIGTERM"
     assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:08d}"
+
+
+def test_a_dry_run_under_torchrun_prints_its_plan_once(tmp_path):
+    """Every rank plans (the same checks, the same exit code); rank 0 alone prints the plan."""
+    from test_cli import _args
+
+    target = tmp_path / "target"
+    save_tiny_target(target)
+    args = _args(target, chat_data(tmp_path / "chats.jsonl"), tmp_path / "run", "--dry-run")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "dflash", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("phase_regeneration") == 1, proc.stdout

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed, sample_anchors
@@ -20,6 +20,7 @@ from dflash.cli.main import main
 from dflash.config import TrainConfig
 from dflash.data.loader import Collator
 from dflash.diagnostics import DFlashSyncWarning, SyncProbe, per_step_sync_settings
+from dflash.embedded import embedded_target_dir
 from dflash.evaluation.export import load_exported
 from dflash.hf.trainer import (
     EXPORT_DIRNAME,
@@ -322,6 +323,21 @@ def test_hf_trainer_saves_the_published_draft_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(resumed.draft.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_hf_trainer_takes_the_tokenizer_as_processing_class(tmp_path):
+    """docs/trainer_integration.md passes `processing_class=tokenizer`: transformers 5.24 then aligns the
+    tokenizer's special tokens with `model.config`, which was the TrainConfig and crashed `train()`. The
+    module's `config` is the target's HF config; the run's settings are `train_config`; the tokenizer is
+    saved beside the draft."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_target_dir())
+    module = _module()
+    trainer = DFlashHFTrainer(model=module, args=_args(tmp_path / "run", max_steps=2, save_steps=2),
+                              train_dataset=_rows(), data_collator=Collator(0, 32), processing_class=tokenizer)
+    trainer.train()
+    assert module.config is module.target.text_config and module.train_config.draft.block_size == 4
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "tokenizer_config.json").is_file() and (tmp_path / "final" / "config.json").is_file()
+
+
 def test_trainconfig_keys_that_trainingarguments_runs_must_agree_with_it(tmp_path):
     """TrainingArguments wins for the optimizer, schedule, steps, batch, seed and device: a TrainConfig value
     set to something else is refused with the argument to set, on both Trainer paths; agreeing or default
@@ -344,7 +360,7 @@ def test_trainconfig_keys_that_trainingarguments_runs_must_agree_with_it(tmp_pat
         "device='cuda:0', but TrainingArguments.device=device(type='cpu')"]
 
     plain = _module()
-    plain.config.max_steps = 50
+    plain.train_config.max_steps = 50
     trainer = Trainer(model=plain, args=_args(tmp_path, max_steps=4), train_dataset=_rows(),
                       data_collator=Collator(0, 32), callbacks=[DFlashCallback(plain)])
     with pytest.raises(ValueError, match="max_steps=50, but TrainingArguments.max_steps=4"):

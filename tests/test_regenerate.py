@@ -18,6 +18,7 @@ from dflash.data.regenerate import prompt_id, prompt_turns, regenerate, stop_tok
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import tokenize_conversation
 from dflash.embedded import cache_root, embedded_target_dir, load_embedded_target
+from dflash.runtime import weights_fingerprint
 
 CONVERSATIONS = [
     {
@@ -251,7 +252,7 @@ def test_regenerated_file_is_keyed_by_source_target_and_settings(tmp_path, monke
     settings = DataSettings(source="chitchat", regenerate_turns=1, regenerate_max_new_tokens=256)
 
     def path_of(settings: DataSettings, target: str = "org/smollm2", part: str = "train") -> Path:
-        return corpus._regenerated_file(settings, cache_root(), target, part)
+        return corpus._regenerated_file(settings, cache_root(), target, part, weights_fingerprint(target))
 
     path = path_of(settings)
     assert path.parent == tmp_path / "regenerated" and path.name.startswith("org_smollm2-")
@@ -300,7 +301,8 @@ def test_regenerate_turns_applies_to_training_rows_only(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "build_dataset", stop)
 
     def file(turns: int, part: str = "train") -> Path:
-        return corpus._regenerated_file(replace(settings, regenerate_turns=turns), tmp_path, "t", part)
+        return corpus._regenerated_file(replace(settings, regenerate_turns=turns), tmp_path, "t", part,
+                                        weights_fingerprint("t"))
 
     def run() -> dict:
         calls.clear()
@@ -381,3 +383,36 @@ def test_an_earlier_row_with_more_replies_than_turns_is_cut_to_its_turns(tmp_pat
                         max_new_tokens=4, turns=2, target_name="tiny", earlier=earlier)
     assert result.turns_reused == 1 and result.written == 1
     assert [m["content"] for m in read_rows(tmp_path / "out.jsonl")[0]["messages"]] == ["Only", "One."]
+
+
+def test_other_weights_behind_the_same_target_name_never_reuse_its_replies(tmp_path, capsys):
+    """A retrained target saved to the same folder reused the old replies ("0 new rows, N reused") and the
+    dry run called them cached: the draft trained on another model's text. The cache is keyed by the
+    weights' fingerprint, in `dflash generate`, `dflash train` and the dry run alike."""
+    from conftest import chat_file, save_tiny_target
+    from dflash.cli.main import main
+
+    target = tmp_path / "tiny-llama"
+    save_tiny_target(target)
+    args = [f"target={target}", f"data.source={chat_file(tmp_path / 'chats.jsonl')}", "device=cpu", "data.eval_size=4",
+            "data.limit=12", "data.regenerate_max_new_tokens=4", f"data.cache_dir={tmp_path / 'cache'}",
+            "draft.mask_token_id=16", "draft.block_size=4", "data.max_length=64"]
+
+    def generate() -> str:
+        assert main(["generate", *args]) == 0
+        return capsys.readouterr().out.strip().splitlines()[-1]
+
+    def dry_run_cached() -> str:
+        assert main(["train", *args, "--dry-run"]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if "training prompts" in line)
+
+    assert "(0 cached)" in dry_run_cached() and "8 new replies, 0 reused" in generate()
+    assert "(8 cached)" in dry_run_cached() and "0 new replies, 8 reused" in generate()
+    before = weights_fingerprint(str(target))
+    model = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.add_(0.01)  # a retrain: the same names, shapes and sizes
+    model.save_pretrained(target)
+    assert weights_fingerprint(str(target)) != before
+    assert "8 training prompts (0 cached)" in dry_run_cached() and "8 new replies, 0 reused" in generate()
+    assert weights_fingerprint("no-org/not-downloaded") == "unknown"

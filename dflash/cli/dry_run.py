@@ -21,7 +21,7 @@ from dflash.files import format_bytes
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.report.sinks import split_warning
-from dflash.runtime import resolve_device, resolve_dtype
+from dflash.runtime import resolve_device, resolve_dtype, weights_fingerprint
 from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
 
 
@@ -83,7 +83,8 @@ def phases(config: TrainConfig) -> dict[str, Any]:
         out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
     elif d.regenerate:
         root = Path(d.cache_dir) if d.cache_dir else cache_root()
-        cached = [_cached(r, _regenerated_file(d, root, config.target, part), turns)
+        weights = weights_fingerprint(config.target)  # as the run keys its cache: by the weight files
+        cached = [_cached(r, _regenerated_file(d, root, config.target, part, weights), turns)
                   for r, part, turns in ((prompts, "train", d.regenerate_turns), (held, "eval", 1))]
         out["phase_regeneration"] = (f"{len(prompts):,} training prompts ({cached[0]:,} cached) and {len(held):,} held-out "
                                      f"prompts ({cached[1]:,} cached), at most {d.regenerate_max_new_tokens} new tokens "

@@ -24,8 +24,10 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig.from_sources(args.config, args.overrides)
     if args.dry_run:
         from dflash.cli.dry_run import describe_plan, plan
+        from dflash.report.console import process_rank
 
-        print(describe_plan(plan(config)))
+        if process_rank() == 0:  # under torchrun every rank plans (the same checks); one prints
+            print(describe_plan(plan(config)))
         return 0
     from dflash.report.console import process_rank, summary_table
     from dflash.report.sinks import SUMMARY_NAME
@@ -55,12 +57,15 @@ def _config(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from dflash.evaluation.evaluate import format_report, run_eval
+    from dflash.report.console import process_rank
     from dflash.runtime import launch_process_group
 
     with launch_process_group():  # torchrun shards the target: its group goes before exit
         report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)  # target None: the draft's
-    print(format_report(report))
+        rank = process_rank()  # read while the group exists: every rank returns the report, rank 0 prints it
+    if rank == 0:
+        print(format_report(report))
     return 0
 
 

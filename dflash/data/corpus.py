@@ -25,7 +25,7 @@ from dflash.data.regenerate import prompt_id, prompt_turns, regenerate
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import build_dataset
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
-from dflash.runtime import load_target, resolve_device, resolve_dtype
+from dflash.runtime import load_target, resolve_device, resolve_dtype, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +118,12 @@ def _split_tag(settings: DataSettings) -> str:
     return hashlib.sha1("|".join(str(v) for v in settings.held_out_split().values()).encode()).hexdigest()[:10]
 
 
-def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str) -> Path:
-    """The regenerated JSONL file of one part ("train" or "eval") under `root`, named by the target, the
-    split and the regeneration settings that change its rows."""
+def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str, weights: str) -> Path:
+    """The regenerated JSONL file of one part ("train" or "eval") under `root`, named by the target and its
+    weights (`runtime.weights_fingerprint`: other weights behind the same name never reuse these replies),
+    the split and the regeneration settings that change its rows."""
     tag = _split_tag(settings)
-    safe_target = cache_slug(target_name, 60, keep_end=True)
+    safe_target = f"{cache_slug(target_name, 60, keep_end=True)}-w{weights}"
     turns = _regenerate_turns(settings, part)
     suffix = f"-{turns}turns" if turns != 1 else ""  # no suffix for one turn: existing caches keep matching
     if part == "train" and settings.standalone_turns != 1:
@@ -139,9 +140,13 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
     turns = _regenerate_turns(settings, part)
     key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
                   else ("regenerate_turns", turns))
-    fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part) for k in range(count - 1, 0, -1))
+    weights = weights_fingerprint(target_name)
+    fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part, weights)
+             for k in range(count - 1, 0, -1))
     earlier = next((path for path in fewer if path.exists()), None)
-    return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part),
+    log.info("regeneration cache for %s keyed by its weights' fingerprint %s (other weights never reuse it)",
+                target_name, weights)
+    return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part, weights),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
                       max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
                       earlier=earlier)

@@ -143,7 +143,7 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
     Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
     launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.target.tp_decode`);
     every rank returns the report, rank 0 writes it. `prompts`: see `eval_conversations`."""
-    exported_folder(draft_dir)  # what --draft is, said before any work
+    draft_dir = exported_folder(draft_dir)  # an export or a run folder's; what --draft is otherwise, said now
     path = Path(out) if out else Path(draft_dir) / "eval.json"
     if not dist.is_initialized() or dist.get_rank() == 0:
         check_writable(path)  # the report is written after minutes of decoding: a bad --out fails now

@@ -271,16 +271,18 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
 
 
 def exported_folder(path: str | Path) -> Path:
-    """`path` if it holds an exported draft, else a FileNotFoundError saying what it is instead (missing,
-    a training checkpoint or run folder, or something else) and what to pass."""
+    """`path` if it holds an exported draft, a run folder's `export/`, else a FileNotFoundError saying what it
+    is instead (missing, a checkpoint or a run folder without an export, or something else) and what to pass."""
     folder = Path(path)
     if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS_NAME).is_file():
         return folder
+    if (folder / "export" / CONFIG_NAME).is_file() and (folder / "export" / WEIGHTS_NAME).is_file():
+        return folder / "export"  # a run folder: its export, as `dflash export` takes a run folder's checkpoint
     if not folder.exists():
         raise FileNotFoundError(f"{folder} does not exist; pass an exported draft folder (a run's export/)")
     if (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
-        raise FileNotFoundError(f"{folder} is a training checkpoint or run folder, not an exported draft: pass the "
-                                f"run's export/ folder, or write one with `dflash export {folder} OUT_DIR`")
+        raise FileNotFoundError(f"{folder} is a training checkpoint or a run folder without an export, not an "
+                                f"exported draft: write one with `dflash export {folder} OUT_DIR`")
     raise FileNotFoundError(f"{folder} is not an exported DFlash draft (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
 
 

@@ -90,7 +90,7 @@ class DFlashTrainingModule(nn.Module):
         self.metrics: Metrics | None = None
         self.eval_metrics: Metrics | None = None
         self._generator: torch.Generator | None = None
-        self.config: TrainConfig | None = None  # set by from_config: checked against TrainingArguments
+        self.train_config: TrainConfig | None = None  # set by from_config: checked against TrainingArguments
         self.target_name: str | None = None  # what the export records as the draft's target
 
     @classmethod
@@ -110,10 +110,17 @@ class DFlashTrainingModule(nn.Module):
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
         module = cls(objective, seed=config.seed)
-        module.config, module.target_name = config, trained_for(config, target_model)
+        module.train_config, module.target_name = config, trained_for(config, target_model)
         return module
 
     # ---- parts -------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> Any:
+        """The target's HF text config: what `transformers.Trainer` reads as `model.config` (5.24 aligns the
+        tokenizer's special tokens with it when `processing_class` is given). The run's settings are
+        `train_config`."""
+        return self.objective.target.text_config
 
     @property
     def draft(self) -> nn.Module:
@@ -245,7 +252,7 @@ def config_conflicts(config: TrainConfig, args: Any) -> list[str]:
 def check_config_against_args(module: Any, args: Any) -> None:
     """Refuse a module's TrainConfig that asks for what TrainingArguments overrides (a ValueError listing
     each key and the argument to set instead); then the anchors follow `args.seed` like the rest of the run."""
-    config = getattr(module, "config", None)
+    config = getattr(module, "train_config", None)
     if config is not None:
         conflicts = config_conflicts(config, args)
         if conflicts:
