@@ -244,3 +244,24 @@ def test_the_offline_target_shares_the_head_rule_and_the_layer_rule():
     for target in (FrozenTarget, OfflineTarget.from_model):
         with pytest.raises(ValueError, match=r"target_layer_ids \[1, 99\] out of range: the target has"):
             target(model, [1, 99])
+
+
+@pytest.mark.parametrize("features,extra,refusal", [
+    (False, ["data.source=/no/such/chats.jsonl"], "dataset file or folder not found: /no/such/chats.jsonl"),
+    (True, ["report_to=[tensorboard]"], "report_to: tensorboard needs tensorboard"),
+    (True, ["draft.target_layer_ids=[0,2]"], "layer"),
+    (True, ["spec_eval_prompts=3"], "cannot decode speculatively"),
+])
+def test_the_dry_run_refuses_what_the_run_refuses_with_its_message(features, extra, refusal, feature_dir,
+                                                                  tiny_target_dir, conversations_file, tmp_path, capsys,
+                                                                  monkeypatch):
+    """A missing data file, a reporter package that is not installed, a feature folder made for other
+    layers, speculative evaluation with features: the dry run passed them; it now stops as the run does,
+    with the run's message."""
+    monkeypatch.setattr("dflash.preflight.importable", lambda module: module != "tensorboard")
+    args = _settings(tiny_target_dir, conversations_file, tmp_path, f"output_dir={tmp_path / 'run'}", "max_steps=2",
+                     *([f"data.features={feature_dir}"] if features else []), *extra)
+    for command in (["train", *args, "--dry-run"], ["train", *args]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert refusal in err and "Traceback" not in err, err

@@ -295,6 +295,9 @@ def test_dry_run_shows_the_mesh_and_the_per_rank_target_memory(monkeypatch):
     assert "decoder layers 135.1 MiB of 405.1 MiB" in p["target_memory_per_rank"], p["target_memory_per_rank"]
     monkeypatch.delenv("WORLD_SIZE")
     assert plan(TrainConfig.from_sources(None, ["device=cpu"]))["mesh"] == "dp 1 x tp 1"
+    with pytest.raises(ValueError, match=r"needs a number of processes that is a multiple of it, and this launch has 1"):
+        plan(TrainConfig.from_sources(None, ["tensor_parallel.size=2", "device=cpu"]))  # the run's own refusal
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"set tensor_parallel.size to one of \[1, 3\]"):
         plan(TrainConfig.from_sources(None, ["tensor_parallel.size=2", "device=cpu"]))
 

@@ -14,14 +14,17 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations
 from dflash.data.regenerate import prompt_id, prompt_turns
+from dflash.data.sources import local_source
 from dflash.drafts import draft_model_for_config
 from dflash.embedded import cache_root, embedded_target_dir
-from dflash.factory import draft_config_for
+from dflash.factory import draft_config_for, offline_target
 from dflash.files import format_bytes
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
+from dflash.preflight import check_dependencies
 from dflash.report.sinks import split_warning
-from dflash.runtime import resolve_device, resolve_dtype, weights_fingerprint
+from dflash.run.folder import check_folder
+from dflash.runtime import check_run_settings, resolve_device, resolve_dtype, weights_fingerprint
 from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
 
 
@@ -107,7 +110,14 @@ def phases(config: TrainConfig) -> dict[str, Any]:
 
 def plan(config: TrainConfig) -> dict[str, Any]:
     """What `config` would run: target shape, layer ids, mask token, draft size (built on the meta
-    device by the trainer's own factory, so a Domino draft counts its head), tokens per step."""
+    device by the trainer's own factory, so a Domino draft counts its head), tokens per step. First the
+    checks the run makes before loading weights, with its messages (and so the CLI's exit codes): missing
+    packages, settings this launch cannot run, a missing data file, feature folders that do not match,
+    an output folder the run would refuse."""
+    check_dependencies(config)
+    if not config.data.features:  # a run from features reads no source rows
+        local_source(config.data.source)  # a missing local file or folder: the run's FileNotFoundError
+    check_folder(Path(config.output_dir), resume_from=config.resume_from, overwrite=config.overwrite_output_dir)
     source = target_source(config.target)
     target_cfg = AutoConfig.from_pretrained(source)
     text = text_config_of(target_cfg)
@@ -119,6 +129,9 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         params = sum(p.numel() for p in draft_model_for_config(draft_cfg).parameters())
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    check_run_settings(config, int(os.environ.get("WORLD_SIZE", "1")), device, dtype)
+    if config.data.features:  # the manifests against this config, as the run checks them (embedding and head read)
+        offline_target(config, None, tokenizer, dtype=dtype)
     tp = config.tensor_parallel.size
     rows = config.batch_size * config.optim.grad_accum
     return {

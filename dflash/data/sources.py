@@ -259,6 +259,18 @@ def _looks_like_path(source: str) -> bool:
     return source.endswith(FILE_SUFFIXES) or source.startswith(("/", ".", "~"))
 
 
+def local_source(source: str) -> list[Path] | None:
+    """The data files of a `data.source` that is a local path, None for chitchat or a hub name. A missing
+    path meant as one (a file suffix, or starting with / . ~) is a FileNotFoundError naming it: the one rule
+    the run and the dry run both apply."""
+    path = Path(source).expanduser()
+    if source != "chitchat" and path.exists():
+        return local_files(path)
+    if source != "chitchat" and _looks_like_path(source):
+        raise FileNotFoundError(f"dataset file or folder not found: {path}")
+    return None
+
+
 def _source_rows(source: Any, split: str, report: DataReport) -> Iterator[tuple[str, Any]]:
     """(where, raw row) from any supported source."""
     if isinstance(source, str) and source == "chitchat":
@@ -270,9 +282,9 @@ def _source_rows(source: Any, split: str, report: DataReport) -> Iterator[tuple[
         for index, row in enumerate(source):
             yield f"row {index}", row
         return
-    path = Path(source).expanduser()
-    if path.exists():
-        for file in local_files(path):
+    files = local_source(str(source))
+    if files is not None:
+        for file in files:
             count, skipped = 0, sum(report.skipped.values())
             for item in _iter_file(file, report):
                 count += 1
@@ -280,8 +292,6 @@ def _source_rows(source: Any, split: str, report: DataReport) -> Iterator[tuple[
             if count == 0 and sum(report.skipped.values()) == skipped:
                 raise ValueError(f"{file} holds no rows")
         return
-    if _looks_like_path(str(source)):
-        raise FileNotFoundError(f"dataset file or folder not found: {path}")
     try:
         dataset = datasets.load_dataset(str(source), split=split)
     except Exception as e:

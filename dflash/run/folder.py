@@ -128,27 +128,52 @@ def _previous_run(run_dir: Path, names: list[str]) -> str:
     return ", ".join(parts)
 
 
-def claim(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> RunLock:
-    """Rank 0: refuse a dangerous or foreign folder (before writing anything into it), lock it, then
-    accept or refuse the previous run it holds (module doc). Returns the held lock; writes `run.json`
-    when the folder starts a new run."""
-    refuse_dangerous(run_dir)
-    names = _names(run_dir)
+def _refuse_foreign(run_dir: Path, names: list[str]) -> None:
     # A run's folder has its record (or, from a dflash before run records, its config.yaml): a folder
     # of anything else, another trainer's `checkpoints/` included, is not cleaned or written to.
     if names and not ((run_dir / RUN_RECORD).is_file() or (run_dir / "config.yaml").is_file()):
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise RunFolderError(f"output_dir {run_dir} is not a dflash run folder (it holds {shown}); dflash writes "
                              "only into a new or empty folder, or one of its own runs: choose another output_dir")
+
+
+def _refuse_previous_run(run_dir: Path, names: list[str], resume_from: str | None, overwrite: bool) -> None:
+    if names and not resume_from and not overwrite:
+        raise RunFolderError(
+            f"output_dir {run_dir} holds a previous run ({_previous_run(run_dir, names)}): continue it with "
+            "resume_from=latest, replace it with overwrite_output_dir=true, or choose another output_dir")
+
+
+def check_folder(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> None:
+    """What `claim` would refuse, read-only (the dry run): a dangerous or foreign folder, a previous run
+    without a choice, a folder another run holds the lock of."""
+    refuse_dangerous(run_dir)
+    names = _names(run_dir)
+    _refuse_foreign(run_dir, names)
+    _refuse_previous_run(run_dir, names, resume_from, overwrite)
+    if (run_dir / LOCK_NAME).is_file():
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at close: only a probe
+        except OSError:
+            raise RunFolderError(f"{run_dir} is in use by another dflash run; wait for it to end, or choose another "
+                                 "output_dir") from None
+        finally:
+            os.close(fd)
+
+
+def claim(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> RunLock:
+    """Rank 0: refuse a dangerous or foreign folder (before writing anything into it), lock it, then
+    accept or refuse the previous run it holds (module doc). Returns the held lock; writes `run.json`
+    when the folder starts a new run."""
+    refuse_dangerous(run_dir)
+    _refuse_foreign(run_dir, _names(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir)  # before judging the previous run: nobody else changes the folder meanwhile
     try:
         names = _names(run_dir)
+        _refuse_previous_run(run_dir, names, resume_from, overwrite)
         if names and not resume_from:
-            if not overwrite:
-                raise RunFolderError(
-                    f"output_dir {run_dir} holds a previous run ({_previous_run(run_dir, names)}): continue it with "
-                    "resume_from=latest, replace it with overwrite_output_dir=true, or choose another output_dir")
             removed = [name for name in names if _is_run_entry(name)]
             for name in removed:
                 path = run_dir / name
