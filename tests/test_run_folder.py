@@ -16,7 +16,7 @@ import pytest
 from test_cli import _args
 
 from dflash.cli.main import main
-from dflash.report.sinks import HISTORY_BACKUP, Reporter
+from dflash.report.sinks import HISTORY_BACKUP, Reporter, last_step
 from dflash.run.folder import LOCK_NAME, RUN_ENTRIES, RUN_RECORD, RunFolderError, RunLock, claim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +118,10 @@ def test_two_dflash_train_processes_on_one_folder(tmp_path, tiny_target_dir, con
 
 def lines(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_the_last_logged_step_skips_a_half_written_line():
+    assert last_step(b'{"step": 3}\n{"step": 4, "lo') == 3 and last_step(b"") == -1 and last_step(b'{"step": 5}\n') == 5
 
 
 def test_metrics_a_resume_went_back_past_are_kept_until_it_passes_them(tmp_path):

@@ -132,7 +132,7 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
 
 
 def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
-                     target_name: str, part: str) -> Any:
+                     target_name: str, part: str, weights: str) -> Any:
     """Regenerate one part ("train" or "eval") of the split into its cached file. A run takes the replies
     already generated from the existing file of the same settings with the most turns below its own:
     `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a standalone
@@ -140,7 +140,6 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
     turns = _regenerate_turns(settings, part)
     key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
                   else ("regenerate_turns", turns))
-    weights = weights_fingerprint(target_name)
     fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part, weights)
              for k in range(count - 1, 0, -1))
     earlier = next((path for path in fewer if path.exists()), None)
@@ -161,7 +160,7 @@ def regenerate_source(config: Any) -> Any:
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
     train, held, _, _ = split_conversations(settings)
     return _regenerate_part(_training_rows(train, held, settings), settings, root, model, tokenizer, config.target,
-                            "train")
+                            "train", weights_fingerprint(config.target))
 
 
 def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], settings: DataSettings) -> list[dict[str, Any]]:
@@ -206,13 +205,15 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     train, held, used, total = split_conversations(settings)
     paths: dict[str, Path] = {}
     dropped: dict[str, int] = {}
+    weights = ""
     for name, rows in {"train": train, "eval": held}.items():
         if not rows:
             continue
         if settings.regenerate:
             if name == "train":
                 rows = _training_rows(rows, held, settings)
-            paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name).path
+            weights = weights or weights_fingerprint(target_name)  # once: it reads the weight files
+            paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name, weights).path
             dropped[name] = _keep_rows_asked_for(paths[name], rows, _regenerate_turns(settings, name))
         else:
             paths[name] = _write_jsonl(rows, root / "splits" / f"{_split_tag(settings)}-{name}.jsonl")

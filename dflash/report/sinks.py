@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import typing
 from pathlib import Path
 from typing import Any
 
+from dflash.config import Sink
 from dflash.files import write_atomic
 
 log = logging.getLogger("dflash")
@@ -58,7 +60,7 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any], *, enabled: bool
     if enabled:
         path = Path(run_dir) / SUMMARY_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(path, json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -99,8 +101,10 @@ def truncate_history(path: str | Path, step: int, size: int | None = None) -> in
 def last_step(data: bytes) -> int:
     """The step of the last whole line of a metrics.jsonl's bytes (-1 when there is none)."""
     for line in reversed(data.splitlines(keepends=True)):
+        if not line.endswith(b"\n"):
+            continue  # a half-written last line (a kill mid-write)
         try:
-            return int(json.loads(line)["step"]) if line.endswith(b"\n") else -1
+            return int(json.loads(line)["step"])
         except (ValueError, KeyError, TypeError):
             continue
     return -1
@@ -136,9 +140,9 @@ class Reporter:
                          "past them", self.jsonl, dropped, resumed["step"], self.backup)
         if self.backup.is_file():
             self.backup_until = last_step(self.backup.read_bytes())
-        unknown = set(report_to) - {"wandb", "tensorboard"}
+        unknown = set(report_to) - set(typing.get_args(Sink))  # the config's one list of sinks
         if unknown:
-            raise ValueError(f"report_to: unknown sink(s) {sorted(unknown)}; choose from wandb, tensorboard")
+            raise ValueError(f"report_to: unknown sink(s) {sorted(unknown)}; choose from {', '.join(typing.get_args(Sink))}")
         if "wandb" in report_to:
             import wandb  # honours WANDB_MODE (offline / disabled)
 

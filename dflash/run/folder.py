@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dflash.report.sinks import HISTORY_BACKUP, SUMMARY_NAME
+from dflash.report.sinks import HISTORY_BACKUP, SUMMARY_NAME, last_step
 from dflash.run.checkpoint import prepare_run_dir
 
 log = logging.getLogger("dflash")
@@ -79,8 +79,7 @@ class RunLock:
             self._fd = None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise RunFolderError(f"{run_dir} is in use by another dflash run ({_describe(holder)}); wait for it to "
-                                 "end, or choose another output_dir") from None
+            raise _in_use(run_dir, holder) from None
         stale = self._read()
         if stale:  # a holder ended without releasing (killed): the kernel dropped its lock, its record stayed
             log.warning("%s: taking over the lock of a run that ended without releasing it (%s)", run_dir,
@@ -105,6 +104,11 @@ class RunLock:
         self._fd = None
 
 
+def _in_use(run_dir: Path, holder: dict[str, Any]) -> RunFolderError:
+    return RunFolderError(f"{run_dir} is in use by another dflash run ({_describe(holder)}); wait for it to end, "
+                          "or choose another output_dir")
+
+
 def _describe(holder: dict[str, Any]) -> str:
     if not holder:
         return "holder unknown"
@@ -115,15 +119,9 @@ def _previous_run(run_dir: Path, names: list[str]) -> str:
     """One line on what a previous run left: its newest checkpoint and last logged step."""
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) if "checkpoints" in names else []
     metrics = run_dir / "metrics.jsonl"
-    last = None
-    if metrics.is_file():
-        lines = metrics.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)
-        try:
-            last = json.loads(lines[-1]).get("step") if lines[-1] else None
-        except ValueError:
-            last = None
+    last = last_step(metrics.read_bytes()) if metrics.is_file() else -1
     parts = [f"checkpoints up to {steps[-1]}" if steps else "no checkpoint"]
-    if last is not None:
+    if last >= 0:
         parts.append(f"metrics logged to step {last}")
     return ", ".join(parts)
 
@@ -156,8 +154,7 @@ def check_folder(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> 
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at close: only a probe
         except OSError:
-            raise RunFolderError(f"{run_dir} is in use by another dflash run; wait for it to end, or choose another "
-                                 "output_dir") from None
+            raise _in_use(run_dir, json.loads(os.pread(fd, 4096, 0) or b"{}")) from None
         finally:
             os.close(fd)
 
