@@ -116,14 +116,25 @@ def launch(args: list[str], log: Path, env: dict[str, str] | None = None, *, set
     return proc
 
 
+# What CPython's forkserver reports when it lost a child's status (EOF on the status pipe, popen_forkserver.py).
+# dflash never exits 255 (its codes are 0-4, 130 and 143; `_run_dflash` turns an exception into 99).
+LOST_STATUS = 255
+
+
 def wait(proc: multiprocessing.Process, log: Path, timeout: float = 180.0) -> int:
-    """The exit code (negative: the signal that ended it); `Hung` with the log's tail past `timeout`."""
+    """The exit code (negative: the signal that ended it); `Hung` with the log's tail past `timeout`. A
+    status the forkserver lost is told from the log: a run that printed no error line and no final table
+    was killed (seen once in CI: a SIGKILLed save reported as 255)."""
     proc.join(timeout)
     if proc.exitcode is None:
         proc.kill()
         proc.join()
         tail = log.read_text()[-1500:] if log.exists() else ""
         raise Hung(f"{log.name} did not end within {timeout:.0f} s; its log ends: {tail!r}")
+    if proc.exitcode == LOST_STATUS:
+        text = log.read_text() if log.exists() else ""
+        if not re.search(r"^(summary  |dflash \w+: (error|stopped):)", text, re.M):
+            return -signal.SIGKILL
     return proc.exitcode
 
 
