@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
 from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
-from dflash.target.frozen import FrozenTarget, resolve_mask_token_id
+from dflash.target.frozen import FrozenTarget, Target, resolve_mask_token_id
 from dflash.target.offline import OfflineTarget
 from dflash.target.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
 from dflash.target.tp_group import GroupBatchTarget
@@ -136,7 +137,7 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
                                                 device=device, schedule=schedule), tokenizer
 
 
-def _frozen_target(config: TrainConfig, target_model: Any, layer_ids: list[int]) -> nn.Module:
+def freeze_target(config: TrainConfig, target_model: Any, layer_ids: list[int]) -> Target:
     """`FrozenTarget` of an HF model, or for a `TensorParallelTarget` the group-batch view of it: every
     rank's micro-batch is padded to `data.max_length` so that the TP group gathers one shape (sync-free;
     the draft keeps each rank's own length)."""
@@ -160,25 +161,27 @@ def _frozen_target(config: TrainConfig, target_model: Any, layer_ids: list[int])
 def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
                     dtype: torch.dtype, draft: nn.Module | None = None) -> DFlashObjective:
     """The objective for `config.draft.kind` around `target_model` (frozen, moved to `device` / `dtype`):
-    an HF causal LM, or a `TensorParallelTarget` (`prepare_target`) run on the group's batch.
+    an HF causal LM, or a `TensorParallelTarget` (`prepare_target`) run on the group's batch. The draft
+    runs as itself (the `transformers.Trainer` path wraps the whole module; `DFlashTrainer` wraps the draft).
 
     `draft` replaces the fresh draft (a warm start, a test's own); its weights stay fp32 (AdamW master
     weights) and the forward runs under autocast below fp32."""
     draft = draft if draft is not None else build_draft(config, target_model, tokenizer)
-    target = _frozen_target(config, target_model, draft.config.target_layer_ids).to(device, dtype)
-    return objective_for(config, target, draft, device=device, dtype=dtype)
+    target = freeze_target(config, target_model, draft.config.target_layer_ids).to(device, dtype)
+    return objective_for(config, target, draft.to(device, torch.float32), device=device, dtype=dtype)
 
 
-def objective_for(config: TrainConfig, target: nn.Module, draft: nn.Module, *, device: torch.device,
-                  dtype: torch.dtype) -> DFlashObjective:
-    """The objective of `config.draft.kind` (DFlash or Domino, with the config's loss settings) around an
-    already frozen target (`FrozenTarget` or a stand-in with its interface) and `draft` (a
-    `DominoDraftModel` for `kind: domino`), the draft moved to `device` in fp32."""
+def objective_for(config: TrainConfig, target: Target, draft: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                  draft_call: Callable[..., torch.Tensor] | None = None) -> DFlashObjective:
+    """The objective of `config.draft.kind` (DFlash or Domino, with the config's loss settings; its CE
+    chunks compiled under `compile: true`) around an already frozen target (`freeze_target`, or a
+    stand-in with the `Target` interface) and `draft` (a `DominoDraftModel` for `kind: domino`), run by
+    `draft_call` (the draft wrapped for data parallelism and compilation; default: the draft itself)."""
     ds = config.draft
     common = dict(num_anchors=ds.num_anchors, attention=resolve_attention(ds.attention, device), dtype=dtype,
                   gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,
-                  position_weights=ds.position_weights, dpace_alpha=ds.dpace_alpha)
-    draft = draft.to(device, torch.float32)
+                  position_weights=ds.position_weights, dpace_alpha=ds.dpace_alpha, draft_call=draft_call,
+                  compile_loss=config.compile)
     if ds.kind == "domino":
         d = config.domino
         return DominoObjective(target, draft, lambda_start=d.lambda_start, decay_ratio=d.decay_ratio,

@@ -58,6 +58,20 @@ class Metrics:
         view = self.buffer[self._slices[name]]
         torch.maximum(view, value.detach().to(torch.float64), out=view)
 
+    def add_update(self, *, nonfinite: torch.Tensor, empty: torch.Tensor, nonfinite_run: torch.Tensor,
+                   grad_norm: torch.Tensor, lr: torch.Tensor) -> None:
+        """One optimizer step's values (`[]` device tensors; `nonfinite` / `empty`: 1.0 when the update was
+        skipped for a non-finite gradient / an empty window). Identical on every rank, and `flush` sums over
+        ranks, so one rank adds them."""
+        skipped = torch.maximum(nonfinite, empty)
+        self.add("nonfinite_skips", nonfinite)
+        self.add("empty_windows", empty * (1 - nonfinite))
+        self.max_("nonfinite_run", nonfinite_run)
+        self.add("grad_norm", torch.where(skipped > 0, 0.0, grad_norm))
+        self.add("updates", 1 - skipped)
+        self.add("lr", lr)
+        self.add("steps", 1.0)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"buffer": self.buffer.detach().clone()}
 

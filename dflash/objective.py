@@ -8,6 +8,7 @@ target's features come from its forward or, under `data.features`, with the batc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,8 @@ class DFlashObjective(nn.Module):
 
     def __init__(self, target: Target, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32, gamma: float | str | None = "auto", ce_chunk_size: int = 4096,
-                 labels: str = "data", position_weights: str = "decay", dpace_alpha: float = 0.5) -> None:
+                 labels: str = "data", position_weights: str = "decay", dpace_alpha: float = 0.5,
+                 draft_call: Callable[..., torch.Tensor] | None = None, compile_loss: bool = False) -> None:
         super().__init__()
         if target.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -77,13 +79,11 @@ class DFlashObjective(nn.Module):
         self.position_weights, self.dpace_alpha = position_weights, dpace_alpha
         self.ce_chunk_size = ce_chunk_size
         self.labels = labels
-        self.compile_loss = False  # torch.compile each CE chunk (the trainer sets it under `compile: true`)
-        # Kept out of the module tree (no duplicate state_dict keys); use_draft_call() swaps it.
-        object.__setattr__(self, "_draft_call", draft)
-
-    def use_draft_call(self, call: nn.Module) -> None:
-        """Run the draft through `call` (the draft wrapped in DDP and/or torch.compile)."""
-        object.__setattr__(self, "_draft_call", call)
+        self.compile_loss = compile_loss  # torch.compile each CE chunk (`compile: true`)
+        # What runs the draft: the draft itself, or the trainer's wrapper of it (DDP / FSDP2, torch.compile).
+        # Held as a bound method, not a module, so the wrapper's copy of the draft's parameters is not
+        # registered a second time under this module (state_dict keys stay `draft.*`).
+        self.draft_call: Callable[..., torch.Tensor] = (draft if draft_call is None else draft_call).__call__
 
     def bind_schedule(self, step_t: torch.Tensor, max_steps: int) -> None:
         """Follow `step_t` (completed steps `[]`, a device tensor the training loop advances in place) over
@@ -137,7 +137,7 @@ class DFlashObjective(nn.Module):
             # Under labels: target the draft learns the target's greedy next token at each position.
             block = targets.labels if greedy is None else block_labels(greedy, anchors, targets.valid)
             block_ids, positions = self.block_inputs(input_ids, anchors)
-            hidden = self._draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
+            hidden = self.draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
                                       target_hidden=features)  # [B, N*bs, H]
         return hidden.view(bsz, anchors.shape[1], self.block_size, -1), block
 

@@ -6,8 +6,7 @@
     global grad norm -> fused AdamW (clipping as its grad_scale, tensor lr) -> on-device schedule -> metric sums
 
 The only host reads happen in `Metrics.flush()` at a log interval, at checkpoints and evaluation.
-Below the trainer: `state` (what a checkpoint holds), `held_out` (evaluation), `data` (batches),
-`factory` (draft and objective), `runtime` (device, dtype, process group, target loading).
+Below the trainer: `data/`, `target/`, `run/` (state, checkpoints, graphs), `evaluation/`, `factory`.
 """
 
 from __future__ import annotations
@@ -26,43 +25,44 @@ from dflash.anchors import anchor_seed, anchor_widths
 from dflash.anchors import reseed as reseed_anchors
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.data.corpus import training_data
+from dflash.data.corpus import Corpus, check_corpus, training_data
 from dflash.data.feature_data import FeatureCollator, batch_collator
 from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches
-from dflash.data.tokenization import check_token_absent
+from dflash.embedded import cache_root
 from dflash.evaluation.evaluate import held_out_speculative_eval
 from dflash.evaluation.export import export_draft, load_exported
 from dflash.evaluation.held_out import held_out_metrics, output_rows
-from dflash.factory import build_objective, prepare_target
+from dflash.factory import build_draft, freeze_target, objective_for, prepare_target
 from dflash.losses import window_loss_scale
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel, allow_compiled_shapes
-from dflash.objective import DFlashObjective
 from dflash.optim import build_optimizer, lr_at
 from dflash.precision import convert_to_fp8
 from dflash.preflight import check_dependencies
 from dflash.report.console import ProgressBar, quiet_datasets, start_of_run
-from dflash.report.sinks import Reporter, history_size, progress_postfix, split_warning, window_metrics, write_summary
+from dflash.report.sinks import Reporter, history_size, progress_postfix, window_metrics, write_summary
 from dflash.run.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
+from dflash.run.compiling import ShapeLog, batch_shape, compile_draft_call, keep_compile_cache
 from dflash.run.data_parallel import DataParallelDraft
 from dflash.run.folder import RunFolder
-from dflash.run.graphs import Capture, StepGraphs, cuda_graph_capture, warm_up_and_restore
+from dflash.run.graphs import Capture, StepGraphs, step_graphs
 from dflash.run.state import (
     check_loaded_state,
     check_resume_config,
     check_training_data,
     check_world_size,
+    consolidated_draft,
     full_draft_state,
     full_optimizer_state,
     load_draft_state,
     load_optimizer_state,
-    rebuild_draft,
     restore_rng,
     resume_record,
     rng_state,
 )
 from dflash.run.stopping import NonFiniteError, NonFiniteWatch, StopRequest
 from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
+from dflash.target.frozen import Target
 
 Batch = dict[str, torch.Tensor]
 log = logging.getLogger("dflash")
@@ -82,9 +82,12 @@ class DFlashTrainer:
         tokenizer: Any = None,
         dataset: Any = None,
         draft: DFlashDraftModel | None = None,
-        objective: DFlashObjective | None = None,
+        frozen_target: Target | None = None,
         rank: int | None = None,
     ) -> None:
+        """`target`: an HF causal LM (else `config.target` is loaded); `draft`: a draft to train instead of a
+        fresh one; `frozen_target`: a target already frozen (benchmarks' stand-ins with the `Target`
+        interface), which then needs `draft`."""
         self.config = config = config or TrainConfig()
         config.validate()
         dist_rank, self.world_size = init_distributed()
@@ -92,20 +95,21 @@ class DFlashTrainer:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_run_settings(config, self.world_size, self.device, self.dtype)  # before any weight is read
-        check_dependencies(config, target_given=target is not None or objective is not None, dataset_given=dataset is not None)
-        if objective is None:  # loaded unless passed in; under tensor_parallel this rank's shard (dflash.factory)
+        check_dependencies(config, target_given=target is not None or frozen_target is not None,
+                           dataset_given=dataset is not None)
+        if frozen_target is not None and draft is None:
+            raise ValueError("DFlashTrainer(frozen_target=...) needs draft=: a stand-in target has no HF config to "
+                             "shape a fresh draft from")
+        if frozen_target is None:  # loaded unless passed in; under tensor_parallel this rank's shard (dflash.factory)
             target, tokenizer = prepare_target(config, target, tokenizer, device=self.device, dtype=self.dtype)
         self.tokenizer, self.dataset, self.rank = tokenizer, dataset, rank
-        # A prebuilt objective (benchmarks, tests) replaces the target/draft construction. `seed` fixes
-        # the draft's initialisation (the same on every rank); the caller's RNG stream is left as it was.
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(config.seed)
-            self.objective = objective or build_objective(config, target, tokenizer, device=self.device,
-                                                          dtype=self.dtype, draft=draft)
-        self.target, self.draft = self.objective.target, self.objective.draft
+        if draft is None:  # `seed` fixes the initialisation (the same on every rank); the caller's RNG is left as it was
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(config.seed)
+                draft = build_draft(config, target, tokenizer)
+        self.draft = draft.to(self.device, DTYPES[config.param_dtype])
         self.draft_config = self.draft.config
-        self.block_size = self.objective.block_size
-        self.draft.to(DTYPES[config.param_dtype])
+        self.block_size = self.draft_config.block_size
         if config.init_from:  # warm start from an exported draft: weights only, a fresh run otherwise
             self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
         if config.fp8:  # before wrapping and compiling: they see the Float8Linear modules
@@ -116,10 +120,14 @@ class DFlashTrainer:
                                           device=self.device)
         self.fsdp = self.parallel.fsdp
         call = self.parallel.call
-        if config.compile:
-            call = torch.compile(call, dynamic=False)
-            self.objective.compile_loss = True
-        self.objective.use_draft_call(call)
+        if config.compile:  # compiled code kept on disk beside the data caches: a second run does not compile again
+            keep_compile_cache(config.data.cache_dir or cache_root())
+            call = compile_draft_call(call, self.draft.layers, config.compile_scope)
+        self.shape_log = ShapeLog(enabled=config.compile and rank == 0)  # "compiling for shape ..." and its seconds
+        self.target = frozen_target or freeze_target(config, target, self.draft_config.target_layer_ids).to(
+            self.device, self.dtype)
+        self.objective = objective_for(config, self.target, self.draft, device=self.device, dtype=self.dtype,
+                                       draft_call=call)
 
         # Schedule state lives on the device: the lr tensor is shared with the optimizer and updated
         # in place, so changing it never copies a Python float to the device.
@@ -132,9 +140,8 @@ class DFlashTrainer:
         self.objective.bind_schedule(self.step_t, config.max_steps)  # Domino's lambda follows the device counter
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
-        # Step-level values (grad norm, lr, skip counts) are the same on every rank and Metrics.flush sums
-        # the buffer over ranks, so only the first process adds them (or 2 ranks would report one skipped
-        # update as 2 and stop after max_nonfinite_skips / 2 consecutive skips).
+        # Step-level values are the same on every rank and flush() sums over ranks: one process adds them
+        # (or 2 ranks would report one skipped update as 2 and stop after half the allowed consecutive skips).
         self._adds_replicated_metrics = dist_rank == 0
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.data_position = DataPosition()
@@ -159,12 +166,13 @@ class DFlashTrainer:
         into the graph's static inputs and replay it (shapes must repeat: fixed N, bucketed S).
         """
         micro = batch if isinstance(batch, list) else micro_batches(batch, self.config.optim.grad_accum)
-        if self.config.cuda_graph:
-            # Per-step reseeding is a host call a graph cannot capture: the anchor generator is registered
-            # with every graph and advances on the device, and checkpoints keep its state for resume.
-            self._step_graphs().run(micro)
-        else:
-            self._step(micro, reseed=True)
+        with self.shape_log.first_step(batch_shape(micro)):
+            if self.config.cuda_graph:
+                # Per-step reseeding is a host call a graph cannot capture: the anchor generator is registered
+                # with every graph and advances on the device, and checkpoints keep its state for resume.
+                self._step_graphs().run(micro)
+            else:
+                self._step(micro, reseed=True)
         self.step += 1
 
     def _step(self, micro: list[Batch], *, reseed: bool) -> None:
@@ -207,13 +215,7 @@ class DFlashTrainer:
         # Consecutive non-finite skips: reset by an update, left as it was by an empty window.
         self.nonfinite_run.copy_(torch.where(empty > 0, self.nonfinite_run, self.nonfinite_run * nonfinite + nonfinite))
         if self._adds_replicated_metrics:  # identical on every rank; flush() sums over ranks: count them once
-            m.add("nonfinite_skips", nonfinite)
-            m.add("empty_windows", empty * (1 - nonfinite))
-            m.max_("nonfinite_run", self.nonfinite_run)
-            m.add("grad_norm", torch.where(skipped > 0, 0.0, grad_norm))
-            m.add("updates", 1 - skipped)
-            m.add("lr", self.lr)
-            m.add("steps", 1.0)
+            m.add_update(nonfinite=nonfinite, empty=empty, nonfinite_run=self.nonfinite_run, grad_norm=grad_norm, lr=self.lr)
         self.optimizer.step()
         # A captured graph needs its gradient buffers to stay put: zero them instead of freeing them.
         self.optimizer.zero_grad(set_to_none=not self.config.cuda_graph)
@@ -223,14 +225,10 @@ class DFlashTrainer:
     def _step_graphs(self) -> StepGraphs:
         """The captured steps (`cuda_graph: true`), one per shape the collator can produce."""
         if self.graphs is None:
-            def warm_up(static: list[Batch]) -> None:
-                warm_up_and_restore(lambda: self._step(static, reseed=False), steps=3, draft=self.draft,
-                                    optimizer=self.optimizer, metrics=self.metrics, tensors=(self.step_t, self.lr),
-                                    generator=self.anchor_generator, device=self.device)
-
-            self.graphs = StepGraphs(lambda micro: self._step(micro, reseed=False), warm_up,
-                                     capture=self.graph_capture or cuda_graph_capture(self.anchor_generator),
-                                     max_graphs=self._collator().num_shapes)
+            self.graphs = step_graphs(lambda micro: self._step(micro, reseed=False), draft=self.draft,
+                                      optimizer=self.optimizer, metrics=self.metrics, tensors=(self.step_t, self.lr),
+                                      generator=self.anchor_generator, device=self.device, capture=self.graph_capture,
+                                      max_graphs=self._collator().num_shapes)
         return self.graphs
 
     # ---- evaluation (a sync point by design) ------------------------------------------------
@@ -250,13 +248,8 @@ class DFlashTrainer:
         return full_draft_state(self.draft)
 
     def consolidated_draft(self) -> torch.nn.Module | None:
-        """The draft as one plain module with full weights, for export and speculative decoding: the
-        draft itself without FSDP2; under FSDP2 a collective (call it on every rank) that returns a
-        rebuilt unsharded copy on this device on rank 0 and None on the other ranks."""
-        if not self.fsdp:
-            return self.draft
-        state = self.draft_state_dict()
-        return rebuild_draft(self.draft_config, state, self.device) if self.rank == 0 else None
+        """`dflash.run.state.consolidated_draft`: the draft whole; under FSDP2 a collective (rank 0 gets it)."""
+        return consolidated_draft(self.draft, self.draft_config, fsdp=self.fsdp, rank=self.rank, device=self.device)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs besides the draft weights (anchors derive from the step).
@@ -319,10 +312,9 @@ class DFlashTrainer:
 
     def _device_batches(self, dataset: Any) -> Iterator[Batch]:
         """Endless training batches on the device, continuing from `data_position`."""
-        cfg = self.config
-        return device_batches(dataset, cfg.batch_size * cfg.optim.grad_accum, self._collator(), self.device,
-                              self.data_position, seed=cfg.seed, num_workers=cfg.data.num_workers, rank=self.rank,
-                              world_size=self.world_size)
+        return device_batches(dataset, self.config.batch_size * self.config.optim.grad_accum, self._collator(),
+                              self.device, self.data_position, seed=self.config.seed,
+                              num_workers=self.config.data.num_workers, rank=self.rank, world_size=self.world_size)
 
     def fit(self) -> dict[str, Any]:
         """Train to `max_steps`: log at `log_interval`, evaluate at `eval_interval`, save at `save_interval`.
@@ -340,28 +332,44 @@ class DFlashTrainer:
             return self._fit(run_dir)
 
     def _fit(self, run_dir: Path) -> dict[str, Any]:
-        """`fit` in its claimed, locked run folder."""
+        """`fit` in its claimed, locked run folder: resume, the data and its checks, the loop, the end."""
         cfg = self.config
-        resume = resolve_resume(cfg.resume_from, run_dir)  # `latest`: the newest intact checkpoint
-        if resume is not None:
+        if (resume := resolve_resume(cfg.resume_from, run_dir)) is not None:  # `latest`: the newest intact one
             self.resume(resume)
         with quiet_datasets():  # dflash's own bars and log lines tell the data preparation
             corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target,
                                    rank=self.rank, world_size=self.world_size)
-        train_ds, eval_ds, self.held_out_conversations = corpus.train, corpus.eval, corpus.held_out_conversations
-        if eval_ds is not None and (warning := split_warning(len(train_ds), len(eval_ds))) and self.rank == 0:
-            log.warning(warning)
-        check_token_absent(train_ds, self.draft_config.mask_token_id, self.tokenizer)
+        self.held_out_conversations = corpus.held_out_conversations
+        check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
         self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
         write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
         reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0,
                             resumed=self.resumed or {"step": self.step})  # drops lines logged past this step
-        batches = self._device_batches(train_ds)
+        stop = StopRequest(cfg.time_budget_minutes, self.world_size, self.device)  # signals, time budget
+        watch = NonFiniteWatch(self.nonfinite_run, cfg.max_nonfinite_skips, every_step=self.world_size == 1)
+        try:
+            last = self._train(corpus, reporter, stop, watch)
+            # The last step is saved once: not again when it was just saved, or resumed with no step left.
+            checkpoint = checkpoint_path(run_dir, self.step) if self.saved_step == self.step else self.save()
+        finally:
+            stop.restore()
+        summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
+        if watch.tripped or stop.requested:  # the checkpoint is what matters; skip the end-of-run work
+            reporter.close()
+            if watch.tripped:
+                raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
+            log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
+            return write_summary(run_dir, {**summary, "interrupted": True, "signal": stop.signal}, enabled=self.rank == 0)
+        return self._finish(run_dir, corpus, reporter, summary)
+
+    def _train(self, corpus: Corpus, reporter: Reporter, stop: StopRequest, watch: NonFiniteWatch) -> dict[str, Any]:
+        """The loop to `max_steps` (or a stop): log, evaluate and save at their intervals. Returns the last
+        full log window's metrics (the run's training summary; a shorter last window is logged, marked)."""
+        cfg, eval_ds = self.config, corpus.eval
+        batches = self._device_batches(corpus.train)
         progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step",
                                enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it
         window_start, window_tokens, last, last_flush_step = time.perf_counter(), 0, {}, self.step
-        stop = StopRequest(cfg.time_budget_minutes, self.world_size, self.device)  # signals, time budget
-        watch = NonFiniteWatch(self.nonfinite_run, cfg.max_nonfinite_skips, every_step=self.world_size == 1)
         try:
             # next_batch is None when the DataLoader workers ended with a stop request
             while (self.step < cfg.max_steps and not stop.due(self.step, at_flush=last_flush_step == self.step)
@@ -392,24 +400,19 @@ class DFlashTrainer:
                 if cfg.save_interval and self.step % cfg.save_interval == 0:
                     self.save()
             if self.step != last_flush_step and not stop.requested:  # the time budget ended a window early
-                last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
-                                      self.world_size)
-                self._record(reporter, last)
-            # The last step is saved once: not again when it was just saved, or resumed with no step left.
-            saved = self.saved_step == self.step
-            checkpoint = checkpoint_path(run_dir, self.step) if saved else self.save()
+                partial = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
+                                         self.world_size)
+                self._record(reporter, {**partial, "partial_window": True})  # logged, marked: plots leave it out
+                last = last or partial  # the summary keeps the last full window when there is one
         finally:
             progress.close()
-            stop.restore()
-        summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
-        if watch.tripped or stop.requested:  # the checkpoint is what matters; skip the end-of-run work
-            reporter.close()
-            if watch.tripped:
-                raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
-            log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
-            return write_summary(run_dir, {**summary, "interrupted": True, "signal": stop.signal}, enabled=self.rank == 0)
-        if eval_ds is not None:
-            held_out = self.evaluate(eval_ds)
+        return last
+
+    def _finish(self, run_dir: Path, corpus: Corpus, reporter: Reporter, summary: dict[str, Any]) -> dict[str, Any]:
+        """The end of a completed run: held-out metrics, the export, speculative decoding, RUN/summary.json."""
+        cfg = self.config
+        if corpus.eval is not None:
+            held_out = self.evaluate(corpus.eval)
             self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
             summary["held_out"] = held_out
         spec_eval = bool(cfg.spec_eval_prompts and self.held_out_conversations)

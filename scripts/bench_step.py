@@ -61,11 +61,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import Distributed, DominoSettings, TrainConfig  # noqa: E402
+from dflash.config import CompileScope, Distributed, DominoSettings, TrainConfig  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.domino import DominoHeadConfig  # noqa: E402
 from dflash.drafts import draft_model_for_config  # noqa: E402
-from dflash.factory import build_objective, objective_for  # noqa: E402
 from dflash.modeling import DFlashDraftConfig  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
@@ -149,10 +148,7 @@ def build_end_to_end(s: Shape, cfg: TrainConfig, args: argparse.Namespace, devic
     cfg.draft.num_layers, cfg.draft.mask_token_id = s.layers, s.vocab - 2
     cfg.draft.num_attention_heads, cfg.draft.num_key_value_heads, cfg.draft.head_dim = s.heads, s.kv_heads, s.head_dim
     cfg.draft.intermediate_size, cfg.draft.anchor_widths = s.ffn, 1
-    objective = build_objective(cfg, hf_target(s, device, dtype), None, device=device, dtype=dtype)
-    if args.param_dtype == "bfloat16":
-        objective.draft.to(torch.bfloat16)
-    return DFlashTrainer(cfg, objective=objective)
+    return DFlashTrainer(cfg, target=hf_target(s, device, dtype))  # param_dtype: the trainer casts the draft
 
 
 def target_forward_flops(trainer: DFlashTrainer, s: Shape) -> float:
@@ -169,7 +165,7 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
     cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
                       batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
                       cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed,
-                      fp8=args.fp8)
+                      fp8=args.fp8, compile_scope=args.compile_scope)
     cfg.draft.kind, cfg.draft.num_anchors, cfg.draft.block_size = args.kind, s.anchors, s.block
     cfg.draft.attention = args.attention
     cfg.domino = DominoSettings(emb_dim=s.emb_dim, gru_hidden_dim=s.gru_hidden, pure_draft_prefix_len=1,
@@ -188,8 +184,7 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
                                   intermediate_size=s.ffn, block_size=s.block)
     if args.kind == "domino":
         draft_cfg = dataclasses.replace(draft_cfg, extra=DominoHeadConfig.from_settings(cfg.domino).to_extra())
-    objective = objective_for(cfg, target, draft_model_for_config(draft_cfg), device=device, dtype=dtype)
-    return DFlashTrainer(cfg, objective=objective)
+    return DFlashTrainer(cfg, frozen_target=target, draft=draft_model_for_config(draft_cfg))
 
 
 def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
@@ -443,6 +438,8 @@ def main() -> int:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compile-loss", action="store_true",
                    help="compile the CE chunks alone (the draft eager), as a config without compile: true could")
+    p.add_argument("--compile-scope", choices=typing.get_args(CompileScope), default="step",
+                   help="with --compile: each decoder layer once (layers) or the whole draft call (step)")
     p.add_argument("--cuda-graph", action="store_true")
     p.add_argument("--fp8", action="store_true", help="float8 GEMMs in the draft's linear layers (fp8: true; torchao)")
     p.add_argument("--ce-chunk", type=int, default=2048)
@@ -482,7 +479,9 @@ def main() -> int:
     progress("built", t0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    time_steps(trainer, batch, device, args.warmup)
+    first_step_ms = time_steps(trainer, batch, device, 1)  # compilation of this shape included
+    progress(f"first step done in {first_step_ms / 1e3:.1f} s", t0)
+    time_steps(trainer, batch, device, max(args.warmup - 1, 0))
     progress(f"{args.warmup} warm-up steps done (compilation included)", t0)
     if world > 1:
         dist.barrier()  # every rank starts the measured steps together
@@ -496,7 +495,8 @@ def main() -> int:
         "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
         "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
         "compile_loss": args.compile_loss, "fp8": args.fp8,
-        "cuda_graph": args.cuda_graph, "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
+        "cuda_graph": args.cuda_graph, "compile_scope": args.compile_scope, "first_step_s": first_step_ms / 1e3,
+        "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
         "matmul_peak_tflops": peak / 1e12, "peak_mem_gib": peak_mem,
     }

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dflash.report.sinks import Reporter, format_line, read_history, split_warning, window_metrics
+from dflash.data.corpus import split_warning
+from dflash.report.sinks import Reporter, format_line, read_history, window_metrics
 
 
 def test_jsonl_and_console_line(tmp_path):

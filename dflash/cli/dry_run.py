@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations
+from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations, split_warning
 from dflash.data.regenerate import prompt_id, prompt_turns
 from dflash.data.sources import local_source
 from dflash.drafts import draft_model_for_config
@@ -22,7 +22,6 @@ from dflash.files import format_bytes
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies
-from dflash.report.sinks import split_warning
 from dflash.run.folder import check_folder
 from dflash.runtime import check_run_settings, resolve_device, resolve_dtype, weights_fingerprint
 from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes

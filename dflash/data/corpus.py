@@ -23,7 +23,7 @@ from dflash.config import DataSettings
 from dflash.data.feature_data import FeatureDataset, read_split_record, run_feature_parts
 from dflash.data.regenerate import prompt_id, prompt_turns, regenerate
 from dflash.data.sources import load_conversations
-from dflash.data.tokenization import build_dataset
+from dflash.data.tokenization import build_dataset, check_token_absent
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
 from dflash.runtime import load_target, resolve_device, resolve_dtype, weights_fingerprint
 
@@ -246,6 +246,23 @@ def feature_corpus(root: str) -> Corpus:
     description = {"features": str(root), "train_rows": len(train), "eval_rows": len(held_out) if held_out else 0}
     log.info("corpus: %s", description)
     return Corpus(train, held_out, description, [], read_split_record(root))
+
+
+def split_warning(train_rows: int, held_out_rows: int) -> str | None:
+    """A warning when the held-out rows outnumber the training rows (a `data.limit` too small for
+    `data.eval_size`), else None."""
+    if held_out_rows > train_rows:
+        return (f"{held_out_rows} held-out rows outnumber the {train_rows} training rows: data.limit is too small for "
+                "data.eval_size (raise data.limit, or lower data.eval_size)")
+    return None
+
+
+def check_corpus(corpus: Corpus, mask_token_id: int, tokenizer: Any, *, warn: bool = True) -> None:
+    """Refuse training rows that hold the draft's mask token (`check_token_absent`); warn (when `warn`: one
+    rank) when the held-out rows outnumber the training rows."""
+    if warn and corpus.eval is not None and (warning := split_warning(len(corpus.train), len(corpus.eval))):
+        log.warning(warning)
+    check_token_absent(corpus.train, mask_token_id, tokenizer)
 
 
 def training_data(dataset: Any, settings: DataSettings, tokenizer: Any, target_model: Any, target_name: str, *,

@@ -64,15 +64,6 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any], *, enabled: bool
     return summary
 
 
-def split_warning(train_rows: int, held_out_rows: int) -> str | None:
-    """A warning when the held-out rows outnumber the training rows (a `data.limit` too small for
-    `data.eval_size`), else None."""
-    if held_out_rows > train_rows:
-        return (f"{held_out_rows} held-out rows outnumber the {train_rows} training rows: data.limit is too small for "
-                "data.eval_size (raise data.limit, or lower data.eval_size)")
-    return None
-
-
 def truncate_history(path: str | Path, step: int, size: int | None = None) -> int:
     """Drop what a run logged after its checkpoint at `step`, which a resumed run logs again: the bytes past
     `size` (the file's length when that checkpoint was saved), else the lines of later steps and a

@@ -141,3 +141,15 @@ def warm_up_and_restore(run: Callable[[], None], *, steps: int, draft: nn.Module
             t.copy_(value)
     metrics.load_state_dict(saved_metrics)
     generator.set_state(generator_state)
+
+
+def step_graphs(step: Callable[[list[Batch]], None], *, draft: nn.Module, optimizer: torch.optim.Optimizer,
+                metrics: Metrics, tensors: Sequence[torch.Tensor], generator: torch.Generator, device: torch.device,
+                capture: Capture | None, max_graphs: int) -> StepGraphs:
+    """`StepGraphs` of the trainer's eager `step`: before each capture it runs 3 times on the new shape and
+    the run's state is put back (`warm_up_and_restore`); `capture` None: `cuda_graph_capture(generator)`."""
+    def warm_up(static: list[Batch]) -> None:
+        warm_up_and_restore(lambda: step(static), steps=3, draft=draft, optimizer=optimizer, metrics=metrics,
+                            tensors=tensors, generator=generator, device=device)
+
+    return StepGraphs(step, warm_up, capture=capture or cuda_graph_capture(generator), max_graphs=max_graphs)

@@ -195,6 +195,17 @@ def rebuild_draft(draft_config: DFlashDraftConfig, state: dict[str, torch.Tensor
     return model.to(device)
 
 
+def consolidated_draft(draft: nn.Module, draft_config: DFlashDraftConfig, *, fsdp: bool, rank: int,
+                       device: torch.device) -> nn.Module | None:
+    """The draft as one plain module with full weights (export, speculative decoding): `draft` itself
+    without FSDP2; under FSDP2 a collective (call it on every rank) returning a rebuilt unsharded copy on
+    `device` on rank 0 and None on the other ranks."""
+    if not fsdp:
+        return draft
+    state = full_draft_state(draft)
+    return rebuild_draft(draft_config, state, device) if rank == 0 else None
+
+
 def check_world_size(state: dict[str, Any], world_size: int) -> None:
     """Refuse to resume a checkpoint written by another number of processes."""
     saved = int(state.get("world_size", 1))

@@ -107,6 +107,28 @@ class Target(Protocol):
         """The features and the target's greedy next tokens `[B, S]` (`data.labels: target`)."""
 
 
+def check_layer_types(text_config: Any) -> None:
+    """Refuse a target config with sliding-window layers (read before any weight: the tensor-parallel
+    plan's check calls it too): their windowed mask cannot be expressed without a mask tensor."""
+    if "sliding_attention" in (getattr(text_config, "layer_types", None) or []):
+        raise ValueError("targets with sliding-window layers are not supported yet: their windowed mask "
+                         "cannot be expressed without a mask tensor")
+
+
+def check_target_accepted(model: nn.Module) -> None:
+    """The rules for a target model, whole or sharded (`FrozenTarget`, the tensor-parallel targets): an
+    attention implementation that is causal without a mask tensor (the truncated trunk builds none),
+    no sliding-window layer (its window needs one), no LM-head bias (the draft reuses the head's weight)."""
+    decoder_config = model.get_decoder().config
+    impl = decoder_config._attn_implementation
+    if impl not in CAUSAL_WITHOUT_MASK:
+        raise ValueError(f"target attention implementation {impl!r} is not supported for feature capture: load the "
+                         "target with attn_implementation='sdpa' (or a flash-attention implementation)")
+    check_layer_types(decoder_config)
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise ValueError("targets whose LM head has a bias are not supported (the draft reuses the head's weight)")
+
+
 def hf_model_of(model: nn.Module) -> nn.Module:
     """The HF causal LM behind a target that wraps one (`FrozenTarget`, the tensor-parallel targets: their
     `.model`), or `model` itself when it is the HF model: the one rule for code that accepts either."""
@@ -163,6 +185,7 @@ class FrozenTarget(SharedHead, nn.Module):
 
     def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
         super().__init__()
+        check_target_accepted(model)
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -172,9 +195,6 @@ class FrozenTarget(SharedHead, nn.Module):
         self._full: nn.Module | None = None  # all layers, built on first use of features_and_greedy
         # The full decoder shares the trunk's layer modules, so these hooks fire in both.
         self._capture = LayerCapture(self._trunk.layers, self.layer_ids)
-        head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("targets whose LM head has a bias are not supported (the draft reuses the head's weight)")
 
     def train(self, mode: bool = True) -> FrozenTarget:  # the target never leaves eval mode
         return super().train(False)
@@ -232,15 +252,6 @@ def _truncated_decoder(decoder: nn.Module, num_layers: int) -> nn.Module:
     The copy's config names `_NO_MASK_IMPL`, so its forward builds no mask; its layers keep their own
     config (the original implementation), and with no mask an sdpa/flash layer attends causally.
     """
-    layer_impl = decoder.config._attn_implementation
-    if layer_impl not in CAUSAL_WITHOUT_MASK:
-        raise ValueError(
-            f"target attention implementation {layer_impl!r} is not supported for feature capture: load the "
-            "target with attn_implementation='sdpa' (or a flash-attention implementation)"
-        )
-    if "sliding_attention" in (getattr(decoder.config, "layer_types", None) or []):
-        raise ValueError("targets with sliding-window layers are not supported yet: their windowed mask "
-                         "cannot be expressed without a mask tensor")
     AttentionInterface.register(_NO_MASK_IMPL, sdpa_attention_forward)
     trunk = copy.copy(decoder)
     trunk._modules = dict(decoder._modules)  # own module table, so the original keeps all its layers

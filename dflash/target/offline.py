@@ -90,23 +90,23 @@ class OfflineTarget(SharedHead, nn.Module):
         return cls(embed, head, text, layer_ids)
 
 
-def _checkpoint_files(location: str) -> tuple[Path, dict[str, str] | None]:
-    """(folder, weight name -> file from the index, or None for a single `model.safetensors`). A hub id is
-    read from the local cache / hub through `huggingface_hub`, fetching only the index and config."""
+def safetensors_weight_map(location: str | Path) -> tuple[Path, dict[str, str]]:
+    """(folder, tensor name -> safetensors file name) of an HF checkpoint: a folder, or a hub id read from the
+    local cache / hub through `huggingface_hub` (only the index, or the single file's header, is read).
+    The one reader of a checkpoint's layout: the offline target and the sharded (tensor-parallel) load."""
     folder = Path(location).expanduser()
     if not folder.is_dir():
         try:
-            index_path = Path(hf_hub_download(location, _INDEX))
-        except Exception:
-            index_path = None
-        if index_path is None:
-            return Path(hf_hub_download(location, _SINGLE)).parent, None
-        folder = index_path.parent
+            folder = Path(hf_hub_download(str(location), _INDEX)).parent
+        except Exception:  # no index on the hub: a single-file checkpoint
+            folder = Path(hf_hub_download(str(location), _SINGLE)).parent
     if (folder / _INDEX).is_file():
         return folder, json.loads((folder / _INDEX).read_text())["weight_map"]
     if (folder / _SINGLE).is_file():
-        return folder, None
-    raise FileNotFoundError(f"{folder} holds no safetensors checkpoint ({_SINGLE} or {_INDEX})")
+        with safe_open(str(folder / _SINGLE), framework="pt") as f:
+            return folder, dict.fromkeys(f.keys(), _SINGLE)
+    raise FileNotFoundError(f"{folder} holds no safetensors checkpoint ({_SINGLE} or {_INDEX}): dflash reads "
+                            "the target's tensors from safetensors files only")
 
 
 def _module_weight_names(config: Any) -> tuple[str, str | None, bool]:
@@ -137,12 +137,8 @@ def load_head_and_embedding(model_path_or_id: str, dtype: torch.dtype) -> tuple[
     checkpoint has no head) give the same tensor twice."""
     location = target_location(model_path_or_id)
     config = AutoConfig.from_pretrained(location)
-    folder, weight_map = _checkpoint_files(location)
+    folder, weight_map = safetensors_weight_map(location)
     embed_name, head_name, tied = _module_weight_names(config)
-    if weight_map is None:
-        with safe_open(str(folder / _SINGLE), framework="pt") as f:
-            keys = list(f.keys())
-        weight_map = dict.fromkeys(keys, _SINGLE)
     keys = list(weight_map)
     embed_key = _find_key(keys, embed_name)
     if embed_key is None:

@@ -22,7 +22,6 @@ rank its own rows, so the draft stays data-parallel over every rank.
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.modeling import text_config_of
-from dflash.target.frozen import CAUSAL_WITHOUT_MASK, SharedHead, checked_layer_ids, greedy_labels, hf_model_of
+from dflash.target.frozen import (
+    SharedHead,
+    check_layer_types,
+    check_target_accepted,
+    checked_layer_ids,
+    greedy_labels,
+    hf_model_of,
+)
+from dflash.target.offline import safetensors_weight_map
 from dflash.target.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
 # Decoders whose forward is embed -> rotary -> [norm, attention, residual, norm, MLP, residual] * L
@@ -73,9 +80,7 @@ def check_tp_support(config: Any, tp: int) -> dict[str, str]:
     missing = [k for k in _REQUIRED_STYLES if f"layers.*.{k}" not in plan]
     if missing:
         raise ValueError(f"the tensor-parallel plan of {model_type!r} does not shard {missing}: run it replicated")
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise ValueError("targets with sliding-window layers are not supported yet: their windowed mask "
-                         "cannot be expressed without a mask tensor")
+    check_layer_types(config)
     sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
     bad = {k: v for k, v in sizes.items() if tp < 1 or v % tp}
@@ -167,24 +172,11 @@ def _build_sharded(config: Any, group: dist.ProcessGroup, dtype: torch.dtype,
     return model, sources
 
 
-def _weight_map(folder: Path) -> dict[str, str]:
-    """Checkpoint tensor name -> safetensors file name of an HF model folder."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{folder} holds no safetensors checkpoint (model.safetensors or its index): "
-                                "sharded loading reads safetensors only")
-    with safe_open(single, framework="pt") as f:
-        return {key: single.name for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-
-
 def _load_shards_(model: nn.Module, folder: Path, sources: dict[str, tuple[str, int | None]], rank: int,
                   tp: int) -> None:
     """Fill `model`'s (sharded) tensors from the safetensors files of `folder`, reading only this
     rank's slice of each split tensor (safetensors slices are read from the memory-mapped file)."""
-    weight_map = _weight_map(folder)
+    folder, weight_map = safetensors_weight_map(folder)
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():  # tied tensors appear under each name
@@ -244,16 +236,11 @@ class TensorParallelTarget(SharedHead, nn.Module):
         self.group = resolve_tp_group(group)
         self.tp_rank, self.tp_size = _group_rank_size(self.group)
         plan = check_tp_support(text_config_of(model.config), self.tp_size)
-        impl = model.get_decoder().config._attn_implementation
-        if impl not in CAUSAL_WITHOUT_MASK:
-            raise ValueError(f"target attention implementation {impl!r} is not supported: load the target with "
-                             "attn_implementation='sdpa' (or a flash-attention implementation)")
+        check_target_accepted(model)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown tensor-parallel schedule {schedule!r}; choose one of {SCHEDULES}")
         self.num_layers = text_config_of(model.config).num_hidden_layers
         self.layer_ids = checked_layer_ids(layer_ids, self.num_layers)
-        if getattr(model.get_output_embeddings(), "bias", None) is not None:
-            raise ValueError("targets whose LM head has a bias are not supported (the draft reuses the head's weight)")
         model.eval()
         model.requires_grad_(False)
         if not _sharded:
