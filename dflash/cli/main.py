@@ -71,9 +71,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from dflash.evaluation.export import export_checkpoint
+    from dflash.evaluation.serving import format_serving
 
     path, out = export_checkpoint(args.checkpoint, args.out_dir)  # weights and config: no optimizer state is read
     print(f"exported {path} -> {out}")
+    print(format_serving(out))  # the vLLM / SGLang launch commands for this folder
     return 0
 
 
@@ -162,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="JSON report path (default: DRAFT/eval.json)")
     ev.set_defaults(func=_eval)
 
-    ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format")
+    ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format; "
+                        "print its vLLM and SGLang launch commands")
     ex.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its latest checkpoint)")
     ex.add_argument("out_dir")
     ex.set_defaults(func=_export)
