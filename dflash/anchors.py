@@ -14,6 +14,7 @@ is "N smallest of i.i.d. uniform scores" via `topk`, which never reads a device 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,18 +50,38 @@ def has_valid_anchor(loss_mask: Sequence[int]) -> bool:
     return max_valid_anchors(torch.as_tensor(loss_mask, dtype=torch.bool).reshape(1, -1)) > 0
 
 
+@dataclass(frozen=True)
+class GlobalRows:
+    """Where a micro-batch's rows sit in the batch of all ranks: rows `offset .. offset + B` of `total`,
+    positions up to `width` (the longest a padded row can be, `data.max_length`). Every rank draws the
+    scores of the whole `[total, width]` batch from the same generator state and keeps its slice, so a
+    row's anchors depend on (seed, step, global row, position) alone, not on how rows are spread over
+    processes: 2 processes of B rows draw what one process of 2B rows draws."""
+
+    offset: int
+    total: int
+    width: int
+
+    @classmethod
+    def of_rank(cls, rank: int, world_size: int, rows: int, width: int) -> GlobalRows:
+        """Rank `rank`'s `rows` (the same count on every rank) among the `world_size` ranks' rows."""
+        return cls(rank * rows, world_size * rows, width)
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     num_anchors: int,
     *,
     generator: torch.Generator | None = None,
+    rows: GlobalRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` distinct valid anchors per row.
 
     Args:
         loss_mask: `[B, S]` bool or 0/1, True on supervised tokens.
         num_anchors: N, the fixed output width.
-        generator: RNG on `loss_mask.device`; the trainer seeds it from (seed, rank, step).
+        generator: RNG on `loss_mask.device`; the trainer seeds it from (seed, step), alike on every rank.
+        rows: this micro-batch's place in the global batch (`GlobalRows`); None: the rows alone.
 
     Returns:
         anchors: `LongTensor[B, N]`, ascending among kept slots; padded slots hold 0.
@@ -70,7 +91,14 @@ def sample_anchors(
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     bsz, seq_len = loss_mask.shape
     valid = valid_anchor_mask(loss_mask)
-    scores = torch.rand(bsz, seq_len, generator=generator, device=loss_mask.device)
+    if rows is None:
+        scores = torch.rand(bsz, seq_len, generator=generator, device=loss_mask.device)
+    else:
+        if rows.offset + bsz > rows.total or seq_len > rows.width:
+            raise ValueError(f"rows {rows.offset}..{rows.offset + bsz} x {seq_len} positions lie outside the global "
+                             f"batch [{rows.total}, {rows.width}]")
+        scores = torch.rand(rows.total, rows.width, generator=generator, device=loss_mask.device)
+        scores = scores[rows.offset:rows.offset + bsz, :seq_len]
     scores = torch.where(valid, scores, _INVALID_SCORE)
 
     k = min(num_anchors, seq_len)

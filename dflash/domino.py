@@ -50,7 +50,7 @@ missing, so distributed training needs no `find_unused_parameters`.
 Scheduled sampling (beyond the peers): with `scheduled_sampling` r > 0, each GRU input t_j (j >= 1)
 is replaced, with probability r, by the backbone's own base prediction of proposal j - 1, as drafted
 tokens replace ground truth at inference. The draws come from the anchor generator in `plan`
-(seeded per (seed, rank, step), so resume is exact and a CUDA graph replays them); the base
+(seeded per (seed, step), over the global batch's rows, so resume is exact and a CUDA graph replays them); the base
 predictions cost one extra chunked pass of the LM head, only when r > 0.
 """
 
@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.anchors import GlobalRows
 from dflash.config import DominoSettings
 from dflash.losses import (
     BlockTargets,
@@ -210,17 +211,19 @@ class DominoObjective(DFlashObjective):
     # ---- blocks ---------------------------------------------------------------------------
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
-             num_anchors: int | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
-        """DFlash's plan, plus the scheduled-sampling draws from the same generator (after the anchors).
+             num_anchors: int | None = None, rows: GlobalRows | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+        """DFlash's plan, plus the scheduled-sampling draws from the same generator (after the anchors; over
+        the global batch's rows, like the anchors, when `rows` is given).
         Evaluation (eval mode) draws none: the GRU reads labels, which is what serving's GRU reads along
         an accepted prefix, the only part the accepted length depends on."""
-        anchors, keep, targets = super().plan(input_ids, loss_mask, generator, num_anchors)
+        anchors, keep, targets = super().plan(input_ids, loss_mask, generator, num_anchors, rows)
         if self.scheduled_sampling == 0 or not self.training:
             return anchors, keep, targets
         # Drawn at the full width N and cut to this batch's width, so a host-bounded width draws for each
         # kept slot what the fixed width would.
-        shape = (anchors.shape[0], max(self.num_anchors, anchors.shape[1]), self.block_size - 1)
-        draws = torch.rand(shape, generator=generator, device=input_ids.device)[:, :anchors.shape[1]]
+        bsz, offset = anchors.shape[0], 0 if rows is None else rows.offset
+        shape = (bsz if rows is None else rows.total, max(self.num_anchors, anchors.shape[1]), self.block_size - 1)
+        draws = torch.rand(shape, generator=generator, device=input_ids.device)[offset:offset + bsz, :anchors.shape[1]]
         sampled = draws < self.scheduled_sampling
         return anchors, keep, DominoTargets(**vars(targets), sampled=sampled)
 
@@ -235,7 +238,7 @@ class DominoObjective(DFlashObjective):
         if not (self.draft.training and self.scheduled_sampling > 0):
             return tokens
         sampled = targets.sampled if isinstance(targets, DominoTargets) else None
-        if sampled is None:  # a draw here would come from the global RNG, outside (seed, rank, step)
+        if sampled is None:  # a draw here would come from the global RNG, outside (seed, step)
             raise ValueError("Domino scheduled sampling needs targets from DominoObjective.plan (their `sampled` "
                              "draw follows the anchor generator, so resume and graph replay repeat it)")
         prev = proposals[:, :, :-1]  # proposals 0..P-2 feed GRU inputs 1..P-1

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.anchors import sample_anchors
+from dflash.anchors import GlobalRows, sample_anchors
 from dflash.attention import dense_dflash_mask, flex_dflash_mask
 from dflash.losses import (
     BlockTargets,
@@ -92,10 +92,11 @@ class DFlashObjective(nn.Module):
     # ---- blocks ---------------------------------------------------------------------------
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
-             num_anchors: int | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+             num_anchors: int | None = None, rows: GlobalRows | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
         """Anchors `[B, N]`, keep `[B, N]` and block targets for one micro-batch (no forward pass).
-        `num_anchors` overrides the training width N (evaluation scores every valid position)."""
-        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator)
+        `num_anchors` overrides the training width N (evaluation scores every valid position); `rows`: the
+        micro-batch's place in the batch of all ranks (`anchors.GlobalRows`)."""
+        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows)
         return anchors, keep, block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma)
 
     def mask(self, anchors: torch.Tensor, keep: torch.Tensor, seq_len: int) -> Any:

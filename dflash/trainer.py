@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.anchors import anchor_seed, anchor_widths
+from dflash.anchors import GlobalRows, anchor_seed, anchor_widths
 from dflash.anchors import reseed as reseed_anchors
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
@@ -85,9 +85,8 @@ class DFlashTrainer:
         frozen_target: Target | None = None,
         rank: int | None = None,
     ) -> None:
-        """`target`: an HF causal LM (else `config.target` is loaded); `draft`: a draft to train instead of a
-        fresh one; `frozen_target`: a target already frozen (benchmarks' stand-ins with the `Target`
-        interface), which then needs `draft`."""
+        """`target`: an HF causal LM (else `config.target` is loaded); `draft`: instead of a fresh one;
+        `frozen_target`: a target already frozen (benchmarks' `Target` stand-ins), which then needs `draft`."""
         self.config = config = config or TrainConfig()
         config.validate()
         dist_rank, self.world_size = init_distributed()
@@ -146,7 +145,7 @@ class DFlashTrainer:
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.data_position = DataPosition()
         self.anchor_generator = torch.Generator(device=self.device)
-        self.anchor_generator.manual_seed(anchor_seed(config.seed, rank, 0))
+        self.anchor_generator.manual_seed(anchor_seed(config.seed, 0, 0))  # alike on every rank: see _step
         self.graphs: StepGraphs | None = None  # the captured steps, one per batch shape (cuda_graph: true)
         self.graph_capture: Capture | None = None  # None: torch.cuda graphs (tests pass a stand-in)
         self.history: list[dict[str, Any]] = []  # what `fit` logged and evaluated, also in metrics.jsonl
@@ -178,12 +177,14 @@ class DFlashTrainer:
     def _step(self, micro: list[Batch], *, reseed: bool) -> None:
         self.objective.train()
         # 1) Anchors and labels for the whole window first, so the loss denominator (the global
-        #    supervised-weight sum) is a device tensor before the first backward.
+        #    supervised-weight sum) is a device tensor before the first backward. Every rank seeds alike and
+        #    keeps its rows of one draw over all ranks' rows: the process layout does not change what is trained.
         plans = []
         for i, mb in enumerate(micro):
-            generator = (reseed_anchors(self.anchor_generator, self.config.seed, self.rank, self.step * len(micro) + i)
+            generator = (reseed_anchors(self.anchor_generator, self.config.seed, 0, self.step * len(micro) + i)
                          if reseed else self.anchor_generator)
-            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator, mb.get("num_anchors")))
+            rows = GlobalRows.of_rank(self.rank, self.world_size, mb["input_ids"].shape[0], self.config.data.max_length)
+            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator, mb.get("num_anchors"), rows))
         scale, total_weight = window_loss_scale([t for _, _, t in plans], self.world_size)
 
         # 2) Forward/backward per micro-batch; the loss of each is its share of the global mean.
@@ -252,10 +253,8 @@ class DFlashTrainer:
         return consolidated_draft(self.draft, self.draft_config, fsdp=self.fsdp, rank=self.rank, device=self.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs besides the draft weights (anchors derive from the step).
-
-        Under FSDP2 a collective (the optimizer's sharded moments are gathered; full values on rank 0), so
-        the checkpoint has the same consolidated layout whether the run used DDP, FSDP2 or one process."""
+        """Everything a resumed run needs besides the draft weights. Under FSDP2 a collective (sharded moments
+        gathered to rank 0): one consolidated layout whether the run used DDP, FSDP2 or one process."""
         return {"step": self.step, "optimizer": full_optimizer_state(self.draft, self.optimizer),
                 "metrics": self.metrics.state_dict(), "data_epoch": self.data_position.epoch,
                 "data_batches": self.data_position.batches, **rng_state(self.anchor_generator),

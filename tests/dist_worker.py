@@ -50,7 +50,7 @@ def fixed_anchors(anchors: torch.Tensor, keep: torch.Tensor, rows: range):
     per call as the micro-batch has, wrapping around at the end of `rows` (so every step repeats)."""
     position = 0
 
-    def sample(loss_mask, n, generator=None):
+    def sample(loss_mask, n, generator=None, **_):
         nonlocal position
         take = [rows[(position + j) % len(rows)] for j in range(loss_mask.shape[0])]
         position = (position + loss_mask.shape[0]) % len(rows)
@@ -70,7 +70,7 @@ def main_ddp(out: Path, position_weights: str = "decay") -> None:
     import dflash.objective as objective
 
     real_sample = objective.sample_anchors
-    objective.sample_anchors = lambda loss_mask, n, generator=None: (anchors[rows], keep[rows])
+    objective.sample_anchors = lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows])
     trainer.optimizer.step = lambda: None  # keep the all-reduced gradients for comparison
     trainer.optimizer.zero_grad = lambda set_to_none=True: None
     trainer.train_step(mine)

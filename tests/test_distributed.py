@@ -42,7 +42,7 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, monkeyp
     two = torch.load(tmp_path / "ranks.pt")
 
     batch, anchors, keep = fixed_plan()
-    monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None: (anchors, keep))
+    monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
     one = DFlashTrainer(tiny_config(draft__position_weights=position_weights), target=make_tiny_target())
     one.draft.load_state_dict(two["init"])  # DDP broadcast rank 0's initial weights
     monkeypatch.setattr(one.optimizer, "step", lambda: None)

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 from dist_worker import fixed_plan
-from tp_training_checks import LABELS
+from tp_training_checks import LABELS, SAMPLED
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, Qwen3Config
 
-from conftest import make_tiny_target, tiny_config
+from conftest import check_speculative_report, make_tiny_target, tiny_config
 from dflash.cli.dry_run import plan
 from dflash.config import TrainConfig
 from dflash.factory import build_objective
@@ -208,7 +208,7 @@ def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks,
     """tp = 2 on 2 ranks (each its 2 rows, the target run once on the group's 4) = one process on the
     4 rows: gradients (DDP-averaged over both ranks) and metrics, for data labels and target labels."""
     batch, anchors, keep = fixed_plan()
-    monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None: (anchors, keep))
+    monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
     for labels, overrides in LABELS.items():
         one = DFlashTrainer(tiny_config(**overrides), target=make_tiny_target())
         one.draft.load_state_dict(ranks[0]["training"][labels]["init"])  # DDP broadcast rank 0's
@@ -222,6 +222,26 @@ def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks,
                 torch.testing.assert_close(two["grads"][name], p.grad, rtol=1e-4, atol=1e-7, msg=f"{labels} {rank} {name}")
             for key in ("loss", "accuracy", "tau", "supervised_tokens", "anchors_kept"):
                 assert two["metrics"][key] == pytest.approx(single[key], rel=1e-5), (labels, rank, key)
+
+
+def test_tp_with_sampled_anchors_equals_one_process_on_the_concatenated_batch(ranks):
+    """Fewer anchors than positions, drawn by the trainer: every rank seeds the draw alike and keeps its rows
+    of one draw over both ranks' rows (`anchors.GlobalRows`), so tp = 2 on 2 ranks trains the anchors one
+    process draws for the 4 rows: the same gradients and metrics."""
+    batch, _, _ = fixed_plan()
+    one = DFlashTrainer(tiny_config(**SAMPLED), target=make_tiny_target())
+    one.draft.load_state_dict(ranks[0]["training"]["sampled"]["init"])
+    one.optimizer.step = lambda: None
+    one.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to compare
+    one.train_step(batch)
+    single = one.metrics.flush()
+    assert single["anchors_kept"] < single["supervised_tokens"]  # a real draw: not every position an anchor
+    for rank, results in ranks.items():
+        two = results["training"]["sampled"]
+        for name, p in one.draft.named_parameters():
+            torch.testing.assert_close(two["grads"][name], p.grad, rtol=1e-4, atol=1e-7, msg=f"{rank} {name}")
+        for key in ("loss", "accuracy", "tau", "supervised_tokens", "anchors_kept"):
+            assert two["metrics"][key] == pytest.approx(single[key], rel=1e-5), (rank, key)
 
 
 def test_tp_training_holds_a_shard_and_makes_no_host_sync(ranks):
@@ -255,8 +275,10 @@ def test_fit_with_a_sharded_target_evaluates_and_exports(ranks):
         assert fit["steps"] == 4 and fit["q_proj_shape"] == (32, 64), (rank, fit)
         assert fit["train_loss"] == fit["train_loss"] and fit["held_out_loss"] == fit["held_out_loss"]
     spec = ranks[0]["fit"]["speculative"]
-    assert spec["lossless"] and spec["num_prompts"] == 3 and spec["tau"] >= 1.0
-    assert ranks[0]["fit"]["eval_json"] and ranks[0]["fit"]["export"]
+    assert spec["lossless"] and spec["num_prompts"] == 3 and spec["block_size"] == 4
+    assert spec["new_tokens"] <= 3 * 8  # spec_eval_max_new_tokens=8
+    check_speculative_report(spec)  # the lockstep decode's τ is its own tokens per target forward
+    assert ranks[0]["fit"]["eval_json"] == spec and ranks[0]["fit"]["export"]  # the report beside the export
     assert ranks[1]["fit"]["speculative"] is None  # it followed rank 0's decode; rank 0 reports
     # `dflash eval` under the launch: every rank returns rank 0's report, equal to the one-process evaluation's
     assert ranks[0]["fit"]["eval_tp"] == ranks[1]["fit"]["eval_tp"] == ranks[0]["fit"]["eval_one"]

@@ -36,11 +36,14 @@ from dflash.trainer import DFlashTrainer
 
 # The equality runs: `data.labels` values, each a trainer config override.
 LABELS = {"data": {}, "target": {"data__labels": "target"}}
+# The sampled-anchors run: 3 anchors per row of up to 31 valid positions, drawn by the trainer itself.
+SAMPLED = {"draft__num_anchors": 3}
 
 
-def one_step(overrides: dict[str, Any]) -> tuple[DFlashTrainer, dict[str, Any]]:
-    """A tp = 2 trainer's step on this rank's 2 rows of the fixed batch, with the fixed anchors and the
-    update held back: its (all-reduced) gradients, metrics and initial weights."""
+def one_step(overrides: dict[str, Any], *, fixed: bool = True) -> tuple[DFlashTrainer, dict[str, Any]]:
+    """A tp = 2 trainer's step on this rank's 2 rows of the fixed batch, with the update held back: its
+    (all-reduced) gradients, metrics and initial weights. `fixed`: the fixed anchors; else the trainer's
+    own draw (seeded alike on every rank, each rank its rows of it)."""
     trainer = DFlashTrainer(tiny_config(tensor_parallel__size=2, **overrides), target=make_tiny_target())
     rank = trainer.rank
     batch, anchors, keep = fixed_plan()
@@ -48,7 +51,8 @@ def one_step(overrides: dict[str, Any]) -> tuple[DFlashTrainer, dict[str, Any]]:
     mine = {k: v[rows] for k, v in batch.items()}
     init = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
     real = objective_module.sample_anchors, trainer.optimizer.step, trainer.optimizer.zero_grad
-    objective_module.sample_anchors = lambda loss_mask, n, generator=None: (anchors[rows], keep[rows])
+    if fixed:
+        objective_module.sample_anchors = lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows])
     trainer.optimizer.step = lambda: None
     trainer.optimizer.zero_grad = lambda set_to_none=True: None
     try:
@@ -64,6 +68,7 @@ def training_checks() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, overrides in LABELS.items():
         trainer, out[name] = one_step(overrides)
+    _, out["sampled"] = one_step(SAMPLED, fixed=False)  # fewer anchors than positions, drawn by the trainer
     rank = dist.get_rank()
     out["target_type"] = type(trainer.target).__name__
     out["memory"] = {"tp": target_parameter_bytes(trainer.target), "replicated": target_parameter_bytes(make_tiny_target())}
@@ -145,8 +150,9 @@ def fit_checks(folder: Path) -> dict[str, Any]:
     spec = summary.get("speculative")
     out = {"steps": summary["steps"], "train_loss": summary["train"]["loss"],
            "held_out_loss": summary["held_out"]["loss"], "q_proj_shape": tuple(q_proj),
-           "speculative": None if spec is None else {k: spec[k] for k in ("tau", "lossless", "num_prompts")},
-           "eval_json": (run / "export" / "eval.json").exists(), "export": "export" in summary}
+           "speculative": spec,  # rank 0's whole report (None on the follower)
+           "eval_json": json.loads((run / "export" / "eval.json").read_text()) if spec is not None else None,
+           "export": "export" in summary}
     # `dflash eval` under the launch: the target sharded over both processes (every rank gets the report),
     # and on rank 0 the same evaluation with the whole target in one process.
     common = dict(target=str(target), prompts=str(data), num_prompts=3, max_new_tokens=8, device="cpu",
