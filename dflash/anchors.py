@@ -63,9 +63,11 @@ class GlobalRows:
     width: int
 
     @classmethod
-    def of_rank(cls, rank: int, world_size: int, rows: int, width: int) -> GlobalRows:
-        """Rank `rank`'s `rows` (the same count on every rank) among the `world_size` ranks' rows."""
-        return cls(rank * rows, world_size * rows, width)
+    def of_rank(cls, rank: int, world_size: int, rows: int, length: int, max_length: int) -> GlobalRows:
+        """Rank `rank`'s `rows` of `length` positions (the same row count on every rank) among the
+        `world_size` ranks' rows. The width is `max_length` (the collator's bound); a longer batch passed
+        to the step directly widens it (such a run draws per its own length)."""
+        return cls(rank * rows, world_size * rows, max(length, max_length))
 
 
 def sample_anchors(

@@ -147,7 +147,7 @@ class TrainConfig:
     dtype: ComputeDtype = "auto"  # compute dtype; auto: bf16 on GPU, fp32 on CPU
     param_dtype: ParamDtype = "float32"  # draft weights and AdamW state (float32: master weights)
     compile: bool = False  # torch.compile the draft and the CE chunks (flex attention is always compiled on GPU)
-    compile_scope: CompileScope = "step"  # compile: true: each draft layer once (layers) or the whole call (step)
+    compile_scope: CompileScope = "layers"  # compile: true: each draft layer once (layers) or the whole call (step)
     fp8: bool = False  # float8 GEMMs (rowwise scaling, torchao) in the draft's linear layers; FP8 GPUs (sm 8.9+)
     cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
     distributed: Distributed = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)

@@ -183,7 +183,7 @@ class DFlashTrainer:
         for i, mb in enumerate(micro):
             generator = (reseed_anchors(self.anchor_generator, self.config.seed, 0, self.step * len(micro) + i)
                          if reseed else self.anchor_generator)
-            rows = GlobalRows.of_rank(self.rank, self.world_size, mb["input_ids"].shape[0], self.config.data.max_length)
+            rows = GlobalRows.of_rank(self.rank, self.world_size, *mb["input_ids"].shape, self.config.data.max_length)
             plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator, mb.get("num_anchors"), rows))
         scale, total_weight = window_loss_scale([t for _, _, t in plans], self.world_size)
 

@@ -481,7 +481,8 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
     first_step_ms = time_steps(trainer, batch, device, 1)  # compilation of this shape included
     progress(f"first step done in {first_step_ms / 1e3:.1f} s", t0)
-    time_steps(trainer, batch, device, max(args.warmup - 1, 0))
+    if args.warmup > 1:
+        time_steps(trainer, batch, device, args.warmup - 1)
     progress(f"{args.warmup} warm-up steps done (compilation included)", t0)
     if world > 1:
         dist.barrier()  # every rank starts the measured steps together

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny targets built from config (no hub), offline environment."""
+"""Shared fixtures: tiny targets built from config (no hub), offline environment.
+
+One owner for what several test files use: `tiny_target` (fresh per test), `target`, `tokenizer`, `trained`
+and `trained_domino` (built once per module that asks: module scope, so a module trains each draft once),
+the builders behind them, and `check_speculative_report` (the identities of a speculative-decoding report)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ torch.set_num_threads(1)  # also where the environment already set OMP_NUM_THREA
 
 TINY_VOCAB = 128
 TINY_MASK_ID = TINY_VOCAB - 1
+DOMINO_HEAD = {"draft__kind": "domino", "domino__gru_hidden_dim": 32, "domino__emb_dim": 16}  # a small Domino head
 
 
 def make_tiny_target(num_layers: int = 4, hidden: int = 64, vocab: int = TINY_VOCAB, seed: int = 0,
@@ -61,9 +66,40 @@ def random_batch(batch: int = 4, seq: int = 32, prompt: int = 4, seed: int = 0) 
     return {"input_ids": ids, "loss_mask": loss_mask}
 
 
+def make_chat_target(tokenizer, num_layers: int = 2, hidden: int = 64, seed: int = 0):
+    """A random Llama over `tokenizer`'s vocabulary (SmolLM2's: its bos / eos / pad ids), for the code
+    paths that chat-render, regenerate and stop at <|im_end|>."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    heads = hidden // 16
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
+                      num_key_value_heads=heads // 2, intermediate_size=2 * hidden, vocab_size=len(tokenizer),
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(cfg).eval()
+
+
 @pytest.fixture
 def tiny_target():
+    """A fresh tiny target per test (one the test may change)."""
     return make_tiny_target()
+
+
+@pytest.fixture(scope="module")
+def target():
+    """One tiny target shared by a module's tests (left unchanged by them)."""
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded SmolLM2 tokenizer (with its chat template), loaded once per module."""
+    from transformers import AutoTokenizer
+
+    from dflash.embedded import embedded_target_dir
+
+    return AutoTokenizer.from_pretrained(embedded_target_dir())
 
 
 def continuation_batch(target, num_prompts: int = 8, prompt_len: int = 6, new_tokens: int = 26):
@@ -79,17 +115,51 @@ def continuation_batch(target, num_prompts: int = 8, prompt_len: int = 6, new_to
     return ids, loss_mask
 
 
-def train_on_continuations(target, steps: int = 20):
+def train_on_continuations(target, steps: int = 20, **overrides):
     """A trainer whose draft was trained briefly on the target's own greedy continuations (it learns
-    their cycles, so real speculative decoding accepts tokens)."""
+    their cycles, so real speculative decoding accepts tokens). `overrides`: tiny_config's (a Domino head)."""
     from dflash.trainer import DFlashTrainer
 
     ids, loss_mask = continuation_batch(target)
-    trainer = DFlashTrainer(tiny_config(max_steps=steps, optim__lr=1e-2), target=target)
+    trainer = DFlashTrainer(tiny_config(**{"max_steps": steps, "optim__lr": 1e-2, **overrides}), target=target)
     for step in range(steps):
         rows = torch.arange(4) + (4 * step) % 8
         trainer.train_step({"input_ids": ids[rows], "loss_mask": loss_mask[rows]})
     return trainer
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+    """A DFlash draft trained on the module's `target`'s greedy continuations (20 steps, once per module)."""
+    return train_on_continuations(target)
+
+
+@pytest.fixture(scope="module")
+def trained_domino(target):
+    """A Domino draft trained on the module's `target`'s greedy continuations (30 steps, once per module)."""
+    return train_on_continuations(target, steps=30, **DOMINO_HEAD, domino__decay_ratio=0.3)
+
+
+def check_speculative_report(report: dict) -> None:
+    """The identities of an `evaluate_speculative` report (`dflash.evaluation.speculative`'s module doc): τ is
+    the decode-phase tokens per target forward, read from the acceptance histogram, from the new-token count
+    (the prefill makes each prompt's first token), and from the per-prompt τ; per-position acceptance bounds
+    it (mean accepted drafts per forward <= the sum of the per-slot rates). A τ computed off any of these
+    fails here; `1 <= τ <= block_size` alone would not catch a τ off by a fraction."""
+    bs, forwards, prompts = report["block_size"], report["target_forwards"], report["num_prompts"]
+    hist = report["acceptance_histogram"]
+    assert len(hist) == bs and sum(hist) == forwards > 0, report
+    emitted = sum((i + 1) * n for i, n in enumerate(hist))
+    assert emitted == report["new_tokens"] - prompts, report
+    assert report["tau"] == pytest.approx(emitted / forwards, rel=1e-12), report
+    assert 1.0 <= report["tau"] <= bs, report
+    rates = report["per_position_acceptance"]
+    assert len(rates) == bs - 1 and all(0.0 <= r <= 1.0 for r in rates if r == r), rates  # nan: slot never verified
+    assert report["tau"] <= 1.0 + sum(r for r in rates if r == r) + 1e-9, report
+    taus, per_prompt = report["per_prompt_tau"], report["per_prompt_target_forwards"]
+    assert len(taus) == len(per_prompt) == prompts and sum(per_prompt) == forwards, report
+    weighted = sum(t * f for t, f in zip(taus, per_prompt, strict=True) if f)  # a prompt stopped by its prefill: nan
+    assert weighted / forwards == pytest.approx(report["tau"], rel=1e-9), report
 
 
 def save_tiny_target(path) -> None:

@@ -11,22 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from conftest import TINY_MASK_ID, make_tiny_target
 from dflash.cli.main import main
 from dflash.data.features import save_shard
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import char_budget, tokenize_conversation
-from dflash.embedded import embedded_target_dir
 from dflash.evaluation.export import WEIGHTS_NAME, export_draft, exported_folder, load_exported
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.run.checkpoint import save_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(embedded_target_dir())
 
 
 @pytest.fixture(scope="module")

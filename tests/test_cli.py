@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import check_speculative_report
 from dflash.cli.dry_run import plan
 from dflash.cli.main import main
 from dflash.config import TrainConfig
@@ -155,8 +156,12 @@ def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, con
     assert (out / "checkpoints" / "latest").read_text() == "step-00000004"
     assert (out / "config.yaml").exists()
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
-    assert summary["speculative"]["lossless"] and summary["speculative"]["num_prompts"] == 3
-    assert summary["speculative"]["teacher_forced_chain_tau"] >= 1.0 and "texts" not in summary["speculative"]
+    spec = summary["speculative"]
+    assert spec["lossless"] and spec["num_prompts"] == 3 and spec["block_size"] == 4 and "texts" not in spec
+    check_speculative_report(spec)
+    # The chain scored teacher-forced over the decoded outputs follows the decoder's own path: in fp32 it is the real τ.
+    assert spec["teacher_forced_chain_tau"] == pytest.approx(spec["tau"], rel=1e-9)
+    assert json.loads((out / "export" / "eval.json").read_text()) == spec  # the report beside the export
 
     # `dflash eval` on the export decodes the run's own held-out prompts, in the run's order (its τ is the
     # run's end-of-run τ up to the export's bf16 weights).
@@ -219,9 +224,12 @@ def test_export_and_eval_commands(tiny_target_dir, conversations_file, tmp_path,
     captured = capsys.readouterr()
     printed = captured.out
     assert f"target: {tiny_target_dir} (from the draft's config.json)" in captured.err
-    assert "tau" in printed and "per-position acceptance" in printed
     report = json.loads((tmp_path / "exported" / "eval.json").read_text())
-    assert report["num_prompts"] == 2 and report["tau"] >= 1.0
+    assert report["num_prompts"] == 2 and report["block_size"] == 4 and report["lossless"]
+    assert report["new_tokens"] <= 2 * 6  # --max-new-tokens 6 per prompt
+    check_speculative_report(report)
+    assert f"tau {report['tau']:.3f} over 2 prompts ({report['new_tokens']} new tokens, lossless" in printed
+    assert "per-position acceptance: " + " ".join(f"{x:.2f}" for x in report["per_position_acceptance"]) in printed
 
 
 def test_step_with_the_real_data_pipeline_is_sync_free(tiny_target_dir, conversations_file, tmp_path):

@@ -10,13 +10,11 @@ import types
 import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import dflash.report.console as console
-from conftest import make_tiny_target, tiny_config
+from conftest import make_chat_target, make_tiny_target, tiny_config
 from dflash.config import TrainConfig
 from dflash.data.regenerate import regenerate
-from dflash.embedded import embedded_target_dir
 from dflash.evaluation.speculative import evaluate_speculative
 from dflash.trainer import DFlashTrainer
 
@@ -46,14 +44,10 @@ def bars(monkeypatch):
     console.set_progress_bars(True)
 
 
-def test_regeneration_held_out_and_speculative_evaluation_draw_bars(bars, tmp_path):
-    tok = AutoTokenizer.from_pretrained(embedded_target_dir())
-    torch.manual_seed(0)
-    chat_model = LlamaForCausalLM(LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+def test_regeneration_held_out_and_speculative_evaluation_draw_bars(bars, tokenizer, tmp_path):
+    chat_model = make_chat_target(tokenizer, num_layers=1, hidden=32)
     conversations = [{"id": str(i), "messages": [{"role": "user", "content": f"Say {i}"}]} for i in range(5)]
-    regenerate(conversations, chat_model, tok, tmp_path / "regen.jsonl", batch_size=2, max_new_tokens=2)
+    regenerate(conversations, chat_model, tokenizer, tmp_path / "regen.jsonl", batch_size=2, max_new_tokens=2)
 
     target = make_tiny_target()
     trainer = DFlashTrainer(tiny_config(), target=target)

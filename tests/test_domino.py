@@ -10,8 +10,15 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from conftest import TINY_VOCAB, continuation_batch, make_tiny_target, random_batch, tiny_config
-from dflash.anchors import sample_anchors
+from conftest import (
+    DOMINO_HEAD,
+    TINY_VOCAB,
+    continuation_batch,
+    make_tiny_target,
+    random_batch,
+    tiny_config,
+    train_on_continuations,
+)
 from dflash.diagnostics import forbid_syncs
 from dflash.domino import (
     DOMINO_WEIGHT_NAMES,
@@ -30,11 +37,10 @@ from dflash.target.frozen import FrozenTarget
 from dflash.trainer import DFlashTrainer
 
 BS = 4
-HEAD = {"draft__kind": "domino", "domino__gru_hidden_dim": 32, "domino__emb_dim": 16}
 
 
 def _config(**overrides):
-    return tiny_config(**{**HEAD, **overrides})
+    return tiny_config(**{**DOMINO_HEAD, **overrides})
 
 
 def _trainer(target=None, **overrides) -> DFlashTrainer:
@@ -224,38 +230,7 @@ def test_lambda_zero_leaves_the_base_loss_out():
         torch.testing.assert_close(got[n], p.grad.float(), rtol=1e-4, atol=1e-5, msg=n)
 
 
-# ---- the training step -----------------------------------------------------------------------------
-
-
-def test_grad_accumulation_equals_one_big_batch(monkeypatch):
-    """Global token normalization of both terms: 2 micro-batches = their concatenation."""
-    batch = random_batch(batch=4, seed=1)
-    batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
-    big = _trainer(optim__grad_accum=1, domino__lambda_start=0.5)
-    acc = _trainer(optim__grad_accum=2, domino__lambda_start=0.5)
-    acc.draft.load_state_dict(big.draft.state_dict())
-    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
-    g = torch.Generator().manual_seed(0)
-    plans = [sample_anchors(h["loss_mask"], 8, generator=g) for h in halves]
-    both = (torch.cat([plans[0][0], plans[1][0]]), torch.cat([plans[0][1], plans[1][1]]))
-
-    def fixed(loss_mask, num_anchors, generator=None):  # both trainers score exactly the same blocks
-        if loss_mask.shape[0] == 4:
-            return both
-        return plans[0] if torch.equal(loss_mask, halves[0]["loss_mask"]) else plans[1]
-
-    monkeypatch.setattr("dflash.objective.sample_anchors", fixed)
-    for t in (big, acc):  # compare the accumulated gradients themselves
-        monkeypatch.setattr(t.optimizer, "step", lambda: None)
-        monkeypatch.setattr(t.optimizer, "zero_grad", lambda set_to_none=True: None)
-    big.train_step(batch)
-    acc.train_step(halves)
-    m_big, m_acc = big.metrics.flush(), acc.metrics.flush()
-    for key in ("loss", "base_loss", "lambda", "accuracy", "base_tau"):
-        assert m_big[key] == pytest.approx(m_acc[key], rel=1e-5), key
-    for (name, p), q in zip(big.draft.named_parameters(), acc.draft.parameters(), strict=True):
-        assert p.grad.abs().max() > 0, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
+# ---- the training step (grad accumulation = one big batch: test_model_loss, for both kinds) -----------
 
 
 def test_domino_steps_make_no_sync():
@@ -406,22 +381,6 @@ def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, TINY_VOCAB - 1, (k,), generator=g).tolist() for k in [1, 5, 12, 29][:n]]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target):
-    """A Domino draft trained briefly on the target's own greedy continuations."""
-    ids, loss_mask = continuation_batch(target)
-    trainer = _trainer(target, max_steps=30, optim__lr=1e-2, domino__decay_ratio=0.3)
-    for step in range(30):
-        rows = torch.arange(4) + (4 * step) % 8
-        trainer.train_step({"input_ids": ids[rows], "loss_mask": loss_mask[rows]})
-    return trainer
-
-
 @pytest.mark.parametrize("shift_label,prefix", [(False, 1), (True, 0), (True, 2)])
 def test_rollout_drafts_are_what_the_training_path_predicts(target, shift_label, prefix):
     """Inference (GRU stepped over drafted tokens) and training (GRU over the label sequence) agree:
@@ -454,13 +413,13 @@ def test_rollout_drafts_are_what_the_training_path_predicts(target, shift_label,
     assert out.correct.all(), out.correct
 
 
-def test_speculative_decoding_with_domino_drafts_is_lossless(target, trained):
+def test_speculative_decoding_with_domino_drafts_is_lossless(target, trained_domino):
     prompts = _prompts(4, seed=3)
     random_draft = _domino_draft(target, shift_label=True)
     report = sp.evaluate_speculative(target, random_draft, prompts, max_new_tokens=17, stop_token_ids=[])
     assert report["new_tokens"] == 17 * len(prompts)  # evaluate_speculative raises LosslessError otherwise
-    assert isinstance(trained.draft, DominoDraftModel)
-    report = sp.evaluate_speculative(target, trained.draft, prompts, max_new_tokens=30, stop_token_ids=[])
+    assert isinstance(trained_domino.draft, DominoDraftModel)
+    report = sp.evaluate_speculative(target, trained_domino.draft, prompts, max_new_tokens=30, stop_token_ids=[])
     assert report["tau"] > 1.2, report["tau"]  # real acceptance: the trained Domino draft drafts well
 
 
@@ -482,17 +441,20 @@ def test_oracle_domino_head_reaches_tau_equal_block_size(target, monkeypatch):
         assert spec.output_ids == ref and spec.tau == BS and spec.num_target_forwards == 3
 
 
-def test_held_out_evaluation_scores_every_anchor_without_scheduled_sampling():
+def test_held_out_evaluation_scores_every_anchor_without_scheduled_sampling(target):
     """Evaluation of a Domino draft trained with scheduled sampling: every valid anchor, no sampled GRU
-    inputs (so two evaluations agree exactly), and the chain estimate of real tau."""
+    inputs (so two evaluations agree exactly), and the chain estimate of real tau: on the target's own
+    greedy text it is real tau (test_chain's identity; a GRU fed sampled tokens at evaluation would part them)."""
     import datasets
 
-    trainer = _trainer(domino__scheduled_sampling=0.5)
-    batch = random_batch(batch=4, seq=24)
-    trainer.train_step(batch)
-    rows = datasets.Dataset.from_dict({"input_ids": batch["input_ids"].tolist(),
-                                       "loss_mask": batch["loss_mask"].int().tolist()})
+    trainer = train_on_continuations(target, steps=30, **DOMINO_HEAD, domino__decay_ratio=0.3,
+                                     domino__scheduled_sampling=0.5)
+    ids, loss_mask = continuation_batch(target)  # prompts of 6 tokens + 26 greedy tokens
+    rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": loss_mask.int().tolist()})
     first, second = trainer.evaluate(rows), trainer.evaluate(rows)
     assert first == second
-    assert first["chain_tau"] >= 1.0 and first["chain_forwards"] > 0
+    real = sp.evaluate_speculative(target, trainer.draft, ids[:, :6].tolist(), max_new_tokens=26, warmup=False)
+    assert real["tau"] > 1.1, real["tau"]  # the draft accepts: a chain of all-ones would prove nothing
+    assert first["chain_tau"] == pytest.approx(real["tau"], rel=1e-9)
+    assert first["chain_forwards"] == real["target_forwards"]
     assert first["anchors_kept"] == 1.0  # every drawn slot is a real anchor: the width is the valid count

@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
 
 from dflash import embedded
 from dflash.embedded import (
@@ -31,11 +30,6 @@ CHITCHAT_WITH_REPLY = 4017
 def target_dir():
     """The converted SmolLM2 folder in the default cache (converted here on a fresh machine)."""
     return embedded_target_dir()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(target_dir):
-    return AutoTokenizer.from_pretrained(target_dir)
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 LAYERS = 2
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_target()
-
-
 def _draft(target, **overrides) -> DFlashDraftModel:
     torch.manual_seed(0)
     cfg = DFlashDraftConfig.for_target(target.config, mask_token_id=TINY_MASK_ID, num_hidden_layers=LAYERS,

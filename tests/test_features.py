@@ -12,7 +12,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash.data.features as features_module
 import dflash.target.offline as offline_module
@@ -21,7 +21,6 @@ from dflash.data.feature_data import FeatureCollator, FeatureDataset, check_mani
 from dflash.data.features import MANIFEST, PARTIAL, estimate_bytes, write_features
 from dflash.data.loader import Collator
 from dflash.data.tokenization import check_token_absent
-from dflash.embedded import embedded_target_dir
 from dflash.run.state import data_fingerprint
 from dflash.target.frozen import FrozenTarget
 from dflash.target.offline import OfflineTarget, load_head_and_embedding
@@ -31,13 +30,9 @@ MAX_LENGTH = 24
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(embedded_target_dir())
-
-
-@pytest.fixture(scope="module")
-def target():
-    return FrozenTarget(make_tiny_target(), LAYERS)
+def target(target):
+    """conftest's tiny target, as the FrozenTarget of LAYERS that writes the features."""
+    return FrozenTarget(target, LAYERS)
 
 
 def make_rows(n: int = 7, seed: int = 0) -> datasets.Dataset:

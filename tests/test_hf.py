@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed, sample_anchors
@@ -20,7 +20,6 @@ from dflash.cli.main import main
 from dflash.config import TrainConfig
 from dflash.data.loader import Collator
 from dflash.diagnostics import DFlashSyncWarning, SyncProbe, per_step_sync_settings
-from dflash.embedded import embedded_target_dir
 from dflash.evaluation.export import load_exported
 from dflash.hf.trainer import (
     EXPORT_DIRNAME,
@@ -211,7 +210,8 @@ class _GradCapture(TrainerCallback):
 @pytest.mark.parametrize("trainer_cls", [DFlashHFTrainer, Trainer])
 def test_loss_normalization_over_gradient_accumulation(tmp_path, trainer_cls):
     """DFlashHFTrainer: the exact global token mean; plain Trainer: the mean of micro-batch means."""
-    long_row, short_row = _rows(rows=2, repeat=1, prompt=4)[0], _rows(rows=2, repeat=1, prompt=26)[1]
+    # 28 and 12 supervised tokens: both more valid anchors than the 8 drawn, so each draw depends on its seed
+    long_row, short_row = _rows(rows=2, repeat=1, prompt=4)[0], _rows(rows=2, repeat=1, prompt=20)[1]
     seen = []
     collator = Collator(0, 32)
 
@@ -246,12 +246,18 @@ def test_loss_normalization_over_gradient_accumulation(tmp_path, trainer_cls):
     assert any(not torch.allclose(other[n], g, rtol=1e-3, atol=1e-6) for n, g in capture.grads.items())
     # Micro-batch i drew its anchors from (seed, rank, micro_step i): not one stream, not the step's seed
     # (`seed` is TrainingArguments'.)
-    def draw(batch, micro_step):
-        generator = torch.Generator().manual_seed(anchor_seed(module.seed, 0, micro_step))
+    def seeded(micro_step):
+        return torch.Generator().manual_seed(anchor_seed(module.seed, 0, micro_step))
+
+    def draw(batch, generator):
         return sample_anchors(batch["loss_mask"], module.objective.num_anchors, generator=generator)[0]
 
-    assert all(torch.equal(anchors, draw(batch, i)) for i, (batch, anchors) in enumerate(zip(window, drawn[:2], strict=True)))
-    assert not torch.equal(drawn[0], draw(window[0], 1))  # the long row has more positions than anchors
+    assert torch.equal(drawn[0], draw(window[0], seeded(0))) and torch.equal(drawn[1], draw(window[1], seeded(1)))
+    assert not torch.equal(drawn[0], draw(window[0], seeded(1)))
+    assert not torch.equal(drawn[1], draw(window[1], seeded(0)))  # not the step's seed again
+    stream = seeded(0)
+    draw(window[0], stream)
+    assert not torch.equal(drawn[1], draw(window[1], stream))  # not the first micro-batch's stream, continued
 
 
 def test_schedule_step_tensor_is_bound_and_advanced_on_the_device(tmp_path, monkeypatch):
@@ -323,12 +329,11 @@ def test_hf_trainer_saves_the_published_draft_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(resumed.draft.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_hf_trainer_takes_the_tokenizer_as_processing_class(tmp_path):
+def test_hf_trainer_takes_the_tokenizer_as_processing_class(tmp_path, tokenizer):
     """docs/trainer_integration.md passes `processing_class=tokenizer`: transformers 5.24 then aligns the
     tokenizer's special tokens with `model.config`, which was the TrainConfig and crashed `train()`. The
     module's `config` is the target's HF config; the run's settings are `train_config`; the tokenizer is
     saved beside the draft."""
-    tokenizer = AutoTokenizer.from_pretrained(embedded_target_dir())
     module = _module()
     trainer = DFlashHFTrainer(model=module, args=_args(tmp_path / "run", max_steps=2, save_steps=2),
                               train_dataset=_rows(), data_collator=Collator(0, 32), processing_class=tokenizer)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_MASK_ID, make_tiny_target, random_batch, tiny_config
+from conftest import DOMINO_HEAD, TINY_MASK_ID, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import sample_anchors
 from dflash.losses import accepted_prefix_length, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics
@@ -228,14 +228,19 @@ def test_tiny_draft_overfits_a_fixed_batch():
     assert losses[1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
-def test_grad_accumulation_equals_one_big_batch(monkeypatch, position_weights):
+@pytest.mark.parametrize("overrides, metrics", [
+    ({"draft__position_weights": "decay"}, ("loss", "accuracy")),
+    ({"draft__position_weights": "dpace"}, ("loss", "accuracy")),
+    ({**DOMINO_HEAD, "domino__lambda_start": 0.5}, ("loss", "base_loss", "lambda", "accuracy", "base_tau")),
+], ids=["dflash-decay", "dflash-dpace", "domino"])
+def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics):
     """Global token normalization: 2 micro-batches give the same update as their concatenation (D-PACE
-    too: its weights come after each forward, its denominator, the supervised-slot count, before)."""
+    too: its weights come after each forward, its denominator, the supervised-slot count, before; Domino: both
+    terms of its loss mix)."""
     batch = random_batch(batch=4, seed=1)
     batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
-    big = _trainer(optim__grad_accum=1, draft__position_weights=position_weights)
-    acc = _trainer(optim__grad_accum=2, draft__position_weights=position_weights)
+    big = _trainer(optim__grad_accum=1, **overrides)
+    acc = _trainer(optim__grad_accum=2, **overrides)
     acc.draft.load_state_dict(big.draft.state_dict())
     # same anchors: both draw per micro-batch row with the same generator stream
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
@@ -243,21 +248,20 @@ def test_grad_accumulation_equals_one_big_batch(monkeypatch, position_weights):
     plans = [sample_anchors(h["loss_mask"], 8, generator=g) for h in halves]
     both = (torch.cat([plans[0][0], plans[1][0]]), torch.cat([plans[0][1], plans[1][1]]))
 
-    def fixed_anchors(trainer):  # both trainers score exactly the same blocks
-        def fake(loss_mask, num_anchors, generator=None):
-            if loss_mask.shape[0] == 4:
-                return both
-            return plans[0] if torch.equal(loss_mask, halves[0]["loss_mask"]) else plans[1]
+    def fixed(loss_mask, num_anchors, generator=None, **_):  # both trainers score exactly the same blocks
+        if loss_mask.shape[0] == 4:
+            return both
+        return plans[0] if torch.equal(loss_mask, halves[0]["loss_mask"]) else plans[1]
 
-        monkeypatch.setattr("dflash.objective.sample_anchors", fake)
-
-    fixed_anchors(big)
+    monkeypatch.setattr("dflash.objective.sample_anchors", fixed)
     for t in (big, acc):  # compare the accumulated gradients themselves (Adam's first step is ~sign(g))
         monkeypatch.setattr(t.optimizer, "step", lambda: None)
         monkeypatch.setattr(t.optimizer, "zero_grad", lambda set_to_none=True: None)
     big.train_step(batch)
     acc.train_step(halves)
-    assert big.metrics.flush()["loss"] == pytest.approx(acc.metrics.flush()["loss"], rel=1e-5)
+    m_big, m_acc = big.metrics.flush(), acc.metrics.flush()
+    for key in metrics:
+        assert m_big[key] == pytest.approx(m_acc[key], rel=1e-5), key
     for (name, p), q in zip(big.draft.named_parameters(), acc.draft.parameters(), strict=True):
         assert p.grad.abs().max() > 0, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)

@@ -9,15 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import dflash.data.corpus as corpus
 import dflash.data.regenerate as regen
+from conftest import make_chat_target
 from dflash.config import DataSettings, TrainConfig
 from dflash.data.regenerate import prompt_id, prompt_turns, regenerate, stop_token_ids
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import tokenize_conversation
-from dflash.embedded import cache_root, embedded_target_dir, load_embedded_target
+from dflash.embedded import cache_root, load_embedded_target
 from dflash.runtime import weights_fingerprint
 
 CONVERSATIONS = [
@@ -42,26 +43,9 @@ ANSWERABLE = 5  # a, b, c, f, g
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(embedded_target_dir())
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tokenizer):
+def chat_target(tokenizer):
     """A random 2-layer Llama over SmolLM2's vocabulary (its eos / pad is <|im_end|>)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval()
+    return make_chat_target(tokenizer)
 
 
 class CountingGenerate:
@@ -99,9 +83,9 @@ def greedy_reply(model, tokenizer, messages, max_new_tokens: int) -> str:
     return tokenizer.decode(reply[:-1] if reply[-1:] == [tokenizer.eos_token_id] else reply)
 
 
-def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, tokenizer):
+def test_replies_are_the_targets_own_greedy_output(tmp_path, chat_target, tokenizer):
     out = tmp_path / "regen.jsonl"
-    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=2, max_new_tokens=6)
+    result = regenerate(CONVERSATIONS, chat_target, tokenizer, out, batch_size=2, max_new_tokens=6)
     assert (result.written, result.reused) == (ANSWERABLE, 0)
     assert result.skipped == {"duplicate prompt": 1, "no user turn": 1}
     rows = read_rows(out)
@@ -109,7 +93,7 @@ def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, tokeni
     for row in rows:
         *prompt, reply = row["messages"]
         assert reply["role"] == "assistant" and prompt[-1]["role"] == "user"
-        assert reply["content"] == greedy_reply(tiny_target, tokenizer, prompt, 6)
+        assert reply["content"] == greedy_reply(chat_target, tokenizer, prompt, 6)
         assert row["prompt_id"] == prompt_id(prompt) and row["target"] == "LlamaForCausalLM"
         assert row["truncated"]  # a random model never says <|im_end|> within 6 tokens
     by_id = {r["source_id"]: r for r in rows}
@@ -119,46 +103,46 @@ def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, tokeni
     assert [r["messages"] for r in loaded] == [r["messages"] for r in rows] and report.skipped == {}
 
 
-def test_rerun_reuses_the_file_without_generating(tmp_path, tiny_target, tokenizer, monkeypatch):
+def test_rerun_reuses_the_file_without_generating(tmp_path, chat_target, tokenizer, monkeypatch):
     out = tmp_path / "regen.jsonl"
-    regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=4, max_new_tokens=4)
+    regenerate(CONVERSATIONS, chat_target, tokenizer, out, batch_size=4, max_new_tokens=4)
     before = out.read_text()
-    counter = CountingGenerate(tiny_target)
-    monkeypatch.setattr(tiny_target, "generate", counter)
-    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=4, max_new_tokens=4)
+    counter = CountingGenerate(chat_target)
+    monkeypatch.setattr(chat_target, "generate", counter)
+    result = regenerate(CONVERSATIONS, chat_target, tokenizer, out, batch_size=4, max_new_tokens=4)
     # Every prompt is found in the file, the duplicate "d" too.
     assert counter.calls == 0 and (result.written, result.reused) == (0, ANSWERABLE + 1)
     assert out.read_text() == before
 
 
-def test_interrupted_run_resumes_without_duplicates(tmp_path, tiny_target, tokenizer, monkeypatch):
+def test_interrupted_run_resumes_without_duplicates(tmp_path, chat_target, tokenizer, monkeypatch):
     clean = tmp_path / "clean.jsonl"
-    regenerate(CONVERSATIONS, tiny_target, tokenizer, clean, batch_size=2, max_new_tokens=4)
+    regenerate(CONVERSATIONS, chat_target, tokenizer, clean, batch_size=2, max_new_tokens=4)
 
     out = tmp_path / "regen.jsonl"
-    monkeypatch.setattr(tiny_target, "generate", CountingGenerate(tiny_target, fail_at=2))
+    monkeypatch.setattr(chat_target, "generate", CountingGenerate(chat_target, fail_at=2))
     with pytest.raises(KeyboardInterrupt):
-        regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=2, max_new_tokens=4)
+        regenerate(CONVERSATIONS, chat_target, tokenizer, out, batch_size=2, max_new_tokens=4)
     assert len(read_rows(out)) == 2  # the first batch was flushed
     with open(out, "a") as f:
         f.write('{"messages": [{"role": "user", "con')  # killed in the middle of a write
     monkeypatch.undo()
 
-    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, batch_size=2, max_new_tokens=4)
+    result = regenerate(CONVERSATIONS, chat_target, tokenizer, out, batch_size=2, max_new_tokens=4)
     assert (result.written, result.reused) == (ANSWERABLE - 2, 3)  # a, b and d (same prompt as a)
     rows = read_rows(out)
     assert len({r["prompt_id"] for r in rows}) == len(rows) == ANSWERABLE
     assert rows == read_rows(clean)
 
 
-def test_limit_then_complete(tmp_path, tiny_target, tokenizer):
+def test_limit_then_complete(tmp_path, chat_target, tokenizer):
     out = tmp_path / "regen.jsonl"
-    assert regenerate(CONVERSATIONS, tiny_target, tokenizer, out, max_new_tokens=3, limit=2).written == 2
-    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, out, max_new_tokens=3)
+    assert regenerate(CONVERSATIONS, chat_target, tokenizer, out, max_new_tokens=3, limit=2).written == 2
+    result = regenerate(CONVERSATIONS, chat_target, tokenizer, out, max_new_tokens=3)
     assert (result.written, result.reused) == (ANSWERABLE - 2, 3)
 
 
-def test_truncated_reply_ends_a_multi_turn_conversation(tmp_path, tiny_target, tokenizer):
+def test_truncated_reply_ends_a_multi_turn_conversation(tmp_path, chat_target, tokenizer):
     chat = {
         "messages": [
             {"role": "user", "content": "Hello"},
@@ -170,19 +154,19 @@ def test_truncated_reply_ends_a_multi_turn_conversation(tmp_path, tiny_target, t
     }
     assert [m["content"] for m in prompt_turns(chat["messages"], turns=2)] == ["Hello", "And then?"]
     out = tmp_path / "regen.jsonl"
-    regenerate([chat], tiny_target, tokenizer, out, max_new_tokens=5, turns=None)
+    regenerate([chat], chat_target, tokenizer, out, max_new_tokens=5, turns=None)
     (row,) = read_rows(out)
     # The random model never ends its reply: later turns would answer a cut-off text, so stop.
     assert len(row["messages"]) == 2 and row["truncated"]
-    assert row["messages"][1]["content"] == greedy_reply(tiny_target, tokenizer, row["messages"][:1], 5)
+    assert row["messages"][1]["content"] == greedy_reply(chat_target, tokenizer, row["messages"][:1], 5)
 
 
-def test_target_mismatch_and_long_prompts(tmp_path, tiny_target, tokenizer):
+def test_target_mismatch_and_long_prompts(tmp_path, chat_target, tokenizer):
     out = tmp_path / "regen.jsonl"
-    regenerate(CONVERSATIONS[:1], tiny_target, tokenizer, out, max_new_tokens=2, target_name="one")
+    regenerate(CONVERSATIONS[:1], chat_target, tokenizer, out, max_new_tokens=2, target_name="one")
     with pytest.raises(ValueError, match="generated by 'one', not 'two'"):
-        regenerate(CONVERSATIONS[:1], tiny_target, tokenizer, out, max_new_tokens=2, target_name="two")
-    result = regenerate(CONVERSATIONS, tiny_target, tokenizer, tmp_path / "short.jsonl", max_prompt_tokens=10)
+        regenerate(CONVERSATIONS[:1], chat_target, tokenizer, out, max_new_tokens=2, target_name="two")
+    result = regenerate(CONVERSATIONS, chat_target, tokenizer, tmp_path / "short.jsonl", max_prompt_tokens=10)
     assert result.written == 0 and result.skipped["prompt longer than max_prompt_tokens"] == ANSWERABLE
 
 
@@ -265,8 +249,8 @@ def test_regenerated_file_is_keyed_by_source_target_and_settings(tmp_path, monke
     assert path_of(settings, target="x" * 100).name.startswith("x" * 60 + "-")  # the end of a long name kept
 
 
-def test_stop_token_ids_are_the_eos_ids_of_the_config_and_tokenizer(tiny_target, tokenizer):
-    assert stop_token_ids(tiny_target, tokenizer) == [tokenizer.eos_token_id]
+def test_stop_token_ids_are_the_eos_ids_of_the_config_and_tokenizer(chat_target, tokenizer):
+    assert stop_token_ids(chat_target, tokenizer) == [tokenizer.eos_token_id]
     config = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 3]))
     assert stop_token_ids(config, SimpleNamespace(eos_token_id=3)) == [3, 5]
     assert stop_token_ids(torch.nn.Module(), SimpleNamespace(eos_token_id=7)) == [7]  # no generation config
@@ -329,7 +313,7 @@ def test_regenerate_turns_must_be_positive():
         cfg.validate()
 
 
-def test_earlier_turns_stand_in_for_generated_ones(tmp_path, tiny_target, tokenizer):
+def test_earlier_turns_stand_in_for_generated_ones(tmp_path, chat_target, tokenizer):
     """A multi-turn run takes the longest prefix of each conversation's turns answered in a file with fewer
     turns of the same target and generates only the later turns; a truncated reply taken over ends its
     conversation; a conversation the earlier file does not know starts from scratch."""
@@ -349,28 +333,28 @@ def test_earlier_turns_stand_in_for_generated_ones(tmp_path, tiny_target, tokeni
     two.write_text(row("x", [("Hello", "A finished reply."), ("And then?", "Because.")])
                    + row("y", [("Tell me", "A cut-off rep")], truncated=True)  # y ended at its first turn
                    + row("w", [("Short", "Whole.")]))
-    counting = CountingGenerate(tiny_target)
-    tiny_target.generate = counting
+    counting = CountingGenerate(chat_target)
+    chat_target.generate = counting
     try:
-        result = regenerate(conversations, tiny_target, tokenizer, tmp_path / "three.jsonl", max_new_tokens=4,
+        result = regenerate(conversations, chat_target, tokenizer, tmp_path / "three.jsonl", max_new_tokens=4,
                             turns=3, target_name="tiny", earlier=two)
     finally:
-        del tiny_target.generate
+        del chat_target.generate
     assert result.turns_reused == 4 and result.written == 4
     assert counting.calls == 1  # one batch: x's third turn and z's first (z's reply is cut off there)
     by_id = {row["source_id"]: row for row in read_rows(tmp_path / "three.jsonl")}
     x = [m["content"] for m in by_id["x"]["messages"]]
     assert x[:5] == ["Hello", "A finished reply.", "And then?", "Because.", "Why?"] and len(x) == 6
-    assert x[5] == greedy_reply(tiny_target, tokenizer, by_id["x"]["messages"][:5], 4)
+    assert x[5] == greedy_reply(chat_target, tokenizer, by_id["x"]["messages"][:5], 4)
     assert [m["content"] for m in by_id["y"]["messages"]] == ["Tell me", "A cut-off rep"] and by_id["y"]["truncated"]
     assert [m["content"] for m in by_id["w"]["messages"]] == ["Short", "Whole."]  # the whole row taken over
     assert by_id["z"]["messages"][0]["content"] == "Fresh" and len(by_id["z"]["messages"]) == 2
     with pytest.raises(ValueError, match="not 'other'"):
-        regenerate(conversations, tiny_target, tokenizer, tmp_path / "other.jsonl", max_new_tokens=4, turns=3,
+        regenerate(conversations, chat_target, tokenizer, tmp_path / "other.jsonl", max_new_tokens=4, turns=3,
                    target_name="other", earlier=two)
 
 
-def test_an_earlier_row_with_more_replies_than_turns_is_cut_to_its_turns(tmp_path, tiny_target, tokenizer):
+def test_an_earlier_row_with_more_replies_than_turns_is_cut_to_its_turns(tmp_path, chat_target, tokenizer):
     """A row of a foreign or edited earlier file may carry more replies than its prompt has user turns:
     only as many as the matched turns are taken."""
     user = [{"role": "user", "content": "Only"}]
@@ -379,7 +363,7 @@ def test_an_earlier_row_with_more_replies_than_turns_is_cut_to_its_turns(tmp_pat
            "prompt_id": prompt_id(user), "target": "tiny", "source_id": "a", "truncated": False}
     earlier = tmp_path / "earlier.jsonl"
     earlier.write_text(json.dumps(row) + "\n")
-    result = regenerate([{"id": "a", "messages": user}], tiny_target, tokenizer, tmp_path / "out.jsonl",
+    result = regenerate([{"id": "a", "messages": user}], chat_target, tokenizer, tmp_path / "out.jsonl",
                         max_new_tokens=4, turns=2, target_name="tiny", earlier=earlier)
     assert result.turns_reused == 1 and result.written == 1
     assert [m["content"] for m in read_rows(tmp_path / "out.jsonl")[0]["messages"]] == ["Only", "One."]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.report.sinks import read_history
 from dflash.run.checkpoint import find_latest, load_checkpoint
+from dflash.run.compiling import INDUCTOR_CACHE_ENV, compile_draft_call, keep_compile_cache
 from dflash.run.stopping import NonFiniteError
 from dflash.trainer import DFlashTrainer
 
@@ -467,22 +470,6 @@ def test_seed_fixes_the_draft_initialisation_and_leaves_the_callers_rng_alone():
     assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point() and a[k].numel() > 1)
 
 
-def test_compile_true_trains_like_eager():
-    """`compile: true` compiles the draft and the CE chunks; one step gives the eager step's loss and
-    weights (same seed, same batch, anchors from the same (seed, rank, step))."""
-    batch = random_batch()
-    runs = []
-    for compile_ in (False, True):
-        trainer = DFlashTrainer(tiny_config(compile=compile_), target=make_tiny_target())
-        assert trainer.objective.compile_loss is compile_
-        trainer.train_step(batch)
-        runs.append((trainer.metrics.flush()["loss"], trainer.draft.state_dict()))
-    (loss0, w0), (loss1, w1) = runs
-    assert loss1 == pytest.approx(loss0, rel=1e-5)
-    for k in w0:
-        torch.testing.assert_close(w1[k], w0[k], rtol=1e-4, atol=1e-5, msg=k)
-
-
 def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm():
     """The step passes clipping to fused AdamW as `grad_scale` (no separate pass over the gradients). Three
     steps with clipping active must equal clip_grad_norm_ followed by the same optimizer, and differ from
@@ -543,3 +530,43 @@ def test_compiled_functions_may_keep_a_graph_for_every_batch_shape(tmp_path, mon
     from dflash.hf.trainer import dflash_collator  # Trainer integration: a last, smaller batch doubles the lengths
 
     assert limit_after(lambda: dflash_collator(None, cfg)) == 2 * (2048 // 64) + 4
+
+
+@pytest.mark.parametrize(("scope", "seq"), [("layers", 24), ("step", 40)])
+def test_compile_scopes_train_like_eager_keep_their_cache_and_log_each_new_shape(scope, seq, tmp_path, monkeypatch,
+                                                                                   caplog):
+    """`compile: true` in both scopes (the draft, and the CE chunks) gives the eager step's loss and weights
+    (same seed, batch and anchors); the compiled code lands under the dflash
+    cache (`$DFLASH_CACHE/inductor`) even after Inductor wrote its /tmp default into the environment; the first
+    step of each batch shape is logged with its seconds, and a repeated shape is not. (Each case its own
+    length: a shape another test compiled in this process is reused from memory and writes nothing.)"""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, default_cache_dir())  # what Inductor leaves there once asked
+    batch = random_batch(seq=seq)
+    runs = []
+    for compile_ in (False, True):
+        trainer = DFlashTrainer(tiny_config(compile=compile_, compile_scope=scope), target=make_tiny_target())
+        assert trainer.objective.compile_loss is compile_  # the CE chunks too
+        with caplog.at_level(logging.INFO, logger="dflash"):
+            trainer.train_step(batch)
+        runs.append((trainer.metrics.flush()["loss"], trainer.draft.state_dict()))
+    (loss0, w0), (loss1, w1) = runs
+    assert loss1 == pytest.approx(loss0, rel=1e-5)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "inductor")
+    assert any((tmp_path / "inductor").rglob("*.py")), "no compiled code written under the dflash cache"
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        trainer.train_step(batch)  # a shape seen before: no log line
+        trainer.train_step(random_batch(seq=seq - 8))
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling for shape")]
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled for shape")]
+    assert started == [f"compiling for shape [4 x {seq}] ...", f"compiling for shape [4 x {seq - 8}] ..."], started
+    assert len(done) == 2 and all(m.endswith(" s") for m in done) and len(trainer.shape_log.seconds) == 2
+
+
+def test_a_chosen_inductor_cache_folder_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    assert keep_compile_cache(tmp_path / "dflash") == tmp_path / "mine"
+    with pytest.raises(ValueError, match="compile_scope 'everything'"):
+        compile_draft_call(lambda: None, [], "everything")

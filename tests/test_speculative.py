@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, train_on_continuations
+from conftest import TINY_MASK_ID, TINY_VOCAB, check_speculative_report, make_tiny_target
 from dflash.attention import dense_dflash_mask
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.evaluate import prompt_ids
@@ -28,16 +28,6 @@ def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [1, 5, 12, 29, 7, 3][:n]
     return [torch.randint(0, TINY_VOCAB - 1, (k,), generator=g).tolist() for k in lengths]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target):
-    return train_on_continuations(target)
 
 
 def _oracle(reference: list[int], prompt_len: int, shift: int = 0):
@@ -293,16 +283,9 @@ def test_always_wrong_draft_gives_tau_one(target, monkeypatch):
 def test_evaluate_report_is_consistent(target, trained):
     prompts = _prompts(4, seed=3)
     report = sp.evaluate_speculative(target, trained.draft, prompts, max_new_tokens=17, stop_token_ids=[])
-    hist = report["acceptance_histogram"]
-    assert len(hist) == BS and sum(hist) == report["target_forwards"]
-    emitted = sum((i + 1) * n for i, n in enumerate(hist))
-    assert emitted == report["new_tokens"] - len(prompts)  # τ counts decode-phase tokens only
-    assert report["tau"] == pytest.approx(emitted / report["target_forwards"])
-    rates = report["per_position_acceptance"]
-    assert len(rates) == BS - 1 and all(0.0 <= r <= 1.0 for r in rates)
-    taus, forwards = report["per_prompt_tau"], report["per_prompt_target_forwards"]
-    assert len(taus) == len(forwards) == len(prompts) and sum(forwards) == report["target_forwards"]
-    assert sum(t * f for t, f in zip(taus, forwards, strict=True)) / sum(forwards) == pytest.approx(report["tau"])
+    assert (report["block_size"], report["num_prompts"], report["new_tokens"]) == (BS, len(prompts), 17 * len(prompts))
+    check_speculative_report(report)  # τ from the histogram, the new tokens and the per-prompt τ alike
+    assert report["tau"] > 1.0  # the trained draft's tokens are accepted: the identities see accepted drafts
     assert report["speculative_tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0
     assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_tokens_per_s"])
 

@@ -7,18 +7,11 @@ import time
 
 import pytest
 from test_sources import CHAT, SYSTEM, write_jsonl
-from transformers import AutoTokenizer
 
 from dflash.data import tokenization
 from dflash.data.loader import Collator, make_dataloader
 from dflash.data.sources import dataset_report, load_conversations
 from dflash.data.tokenization import build_dataset, tokenize_conversation
-from dflash.embedded import embedded_target_dir
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(embedded_target_dir())
 
 
 def supervised_pieces(row: dict, tokenizer) -> list[str]:

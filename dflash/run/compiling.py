@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 log = logging.getLogger("dflash")
 
@@ -39,8 +40,15 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 def keep_compile_cache(cache_root: str | Path) -> Path:
     """Point Inductor's on-disk caches at `cache_root/inductor` unless the user chose a folder
-    (`TORCHINDUCTOR_CACHE_DIR`); returns the folder used. Call before the first compilation."""
-    folder = Path(os.environ.setdefault(INDUCTOR_CACHE_ENV, str(Path(cache_root) / "inductor")))
+    (`TORCHINDUCTOR_CACHE_DIR`); returns the folder used. Call before the first compilation.
+
+    Inductor writes its default (`/tmp/torchinductor_$USER`) into the environment the first time anything
+    asks for its cache folder (importing some float8 / flex code does), so that value is not a user's
+    choice: it is replaced too. (A folder under /tmp is also lost with the machine's temporary files.)"""
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if chosen is None or chosen == default_cache_dir():
+        os.environ[INDUCTOR_CACHE_ENV] = chosen = str(Path(cache_root) / "inductor")
+    folder = Path(chosen)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
