@@ -105,6 +105,7 @@ class Metrics:
             "empty_windows": t["empty_windows"].item(),
             "nonfinite_run": t["nonfinite_run"].item(),
             "supervised_tokens": t["scored"].item(),
+            "steps": steps.item(),  # the window's size: a last window cut short by a stop has fewer
             "per_position_accuracy": ratio(t["pos_correct"], t["pos_scored"]).tolist(),
         }
         if "lambda" in t:

@@ -570,3 +570,23 @@ def test_a_chosen_inductor_cache_folder_is_kept(tmp_path, monkeypatch):
     assert keep_compile_cache(tmp_path / "dflash") == tmp_path / "mine"
     with pytest.raises(ValueError, match="compile_scope 'everything'"):
         compile_draft_call(lambda: None, [], "everything")
+
+
+def test_a_short_last_window_is_logged_marked_and_kept_out_of_the_summary_and_plots(tmp_path, monkeypatch):
+    """A time budget ending 2 steps into a 4-step window: that window is logged with its 2 steps and
+    `partial_window`, the summary's training metrics are the last full window's, and the plots leave it out."""
+    monkeypatch.setattr("dflash.run.stopping.StopRequest.due", lambda self, step, at_flush: step >= 6)
+    trainer = fresh_trainer(run_config(tmp_path / "run", max_steps=20, log_interval=4))
+    summary = trainer.fit()
+    train_rows = [row for row in trainer.history if "loss" in row]
+    assert [row["step"] for row in train_rows] == [4, 6] and summary["steps"] == 6
+    assert train_rows[-1]["partial_window"] is True and train_rows[-1]["steps"] == 2
+    assert "partial_window" not in train_rows[0] and train_rows[0]["steps"] == 4
+    assert summary["train"]["loss"] == train_rows[0]["loss"] and "partial_window" not in summary["train"]
+    assert read_history(tmp_path / "run")[-1]["partial_window"] is True  # kept in metrics.jsonl, marked
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    from dflash.report.plot import history_figures  # the optional extra
+
+    axes = history_figures(trainer.history)["loss"].axes[0]
+    assert list(axes.lines[0].get_xdata()) == [4]
+    assert all(float(t).is_integer() for t in axes.get_xticks())  # no 3.5 on a short run's step axis

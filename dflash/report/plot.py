@@ -51,9 +51,22 @@ def load_history(run: str | Path | History) -> list[dict[str, Any]]:
 
 
 def series(history: History, key: str) -> tuple[list[int], list[Any]]:
-    """(steps, values) of every entry that has `key`, in order."""
-    rows = [row for row in history if row.get(key) is not None]
+    """(steps, values) of every entry that has `key`, in order. A partial last window (a time budget or a
+    stop between log steps: `partial_window`, its `steps` fewer than `log_interval`) is left out: a window
+    of one or two steps would draw as a spike (it stays in metrics.jsonl, marked)."""
+    rows = [row for row in history if row.get(key) is not None and not row.get("partial_window")]
     return [int(row["step"]) for row in rows], [row[key] for row in rows]
+
+
+def _step_axis(ax: Any) -> None:
+    """Steps are whole numbers: no 2.5 ticks on a short run's axis (a single log point gets a span of
+    2 steps around it, or matplotlib would tick it in hundredths)."""
+    from matplotlib.ticker import MaxNLocator  # optional extra (dflash[plot]), loaded only when plotting
+
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:
+        ax.set_xlim((lo + hi) / 2 - 1, (lo + hi) / 2 + 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 # ---- single plots (each draws on an Axes) --------------------------------------------------------
@@ -76,6 +89,7 @@ def plot_loss(history: History, ax: Any) -> Any:
         for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
             axis_formatter(ScalarFormatter())  # plain numbers (4, 6, 10, 20), not 4x10^0
     ax.set(xlabel="step", ylabel="weighted block CE", title="loss")
+    _step_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend()
     return ax
@@ -90,6 +104,7 @@ def plot_tau(history: History, ax: Any) -> Any:
         if steps:
             ax.plot(steps, values, style, label=label)
     ax.set(xlabel="step", ylabel="τ̂ (tokens per target forward)", title="teacher-forced acceptance length")
+    _step_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend()
     return ax
