@@ -304,6 +304,7 @@ def test_hf_trainer_saves_the_published_draft_and_resumes_exactly(tmp_path):
     `dflash export` writes from the checkpoint; a resume from such a checkpoint continues exactly."""
     straight = _module(target="tiny-llama")
     trainer = _train(tmp_path / "run", straight, trainer_cls=DFlashHFTrainer, max_steps=8, save_steps=4)
+    logged = [row["step"] for row in read_history(tmp_path / "run") if "loss" in row]
     final = tmp_path / "final"
     trainer.save_model(str(final))
     assert not (final / TRAINER_DRAFT_NAME).exists()  # a save_model output is what gets served or pushed
@@ -327,6 +328,8 @@ def test_hf_trainer_saves_the_published_draft_and_resumes_exactly(tmp_path):
            resume=str(tmp_path / "run" / "checkpoint-4"))
     for name, value in straight.draft.state_dict().items():  # bf16 weights would miss by ~1e-3
         torch.testing.assert_close(resumed.draft.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # metrics.jsonl: the lines past checkpoint-4 were dropped at the resume and logged again, each step once
+    assert [row["step"] for row in read_history(tmp_path / "run") if "loss" in row] == logged and logged[-1] == 8
 
 
 def test_hf_trainer_takes_the_tokenizer_as_processing_class(tmp_path, tokenizer):

@@ -95,7 +95,9 @@ class DFlashCallback(TrainerCallback):
         self.step_t = torch.zeros((), dtype=torch.float32, device=module.device).fill_(state.global_step)
         module.objective.bind_schedule(self.step_t, state.max_steps)  # a no-op for DFlash's unscheduled loss
         if self.write_jsonl and state.is_world_process_zero:
-            self._reporter = Reporter(args.output_dir, [], {}, console=False)
+            # Resumed (or restarted) at `global_step`: what metrics.jsonl holds past it is logged again, so
+            # it is dropped first (kept in a backup), as DFlashTrainer does: every step recorded once.
+            self._reporter = Reporter(args.output_dir, [], {}, console=False, resumed={"step": state.global_step})
         self._steps_since_flush, self._window_start = 0, time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
