@@ -113,9 +113,19 @@ def test_launch_banner_and_summary_table(monkeypatch):
                                    backend="nccl")
     assert banner.splitlines()[0] == "launch: 4 processes: data parallel 4 x tensor parallel 1 | distributed ddp over nccl"
     assert "compute bfloat16, draft weights float32 | attention flex | compile on, CUDA graph off" in banner
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # `accelerate launch --cpu --num_processes 2` starts one
-    single = console.launch_banner(config, world_size=1, device="cpu", dtype=torch.float32, attention="sdpa")
-    assert "`accelerate launch --cpu` starts ONE process" in single and "torchrun --nproc_per_node N" in single
+    for name in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(name, raising=False)
+    plain = console.launch_banner(config, world_size=1, device="cpu", dtype=torch.float32, attention="sdpa")
+    assert "note" not in plain  # `dflash train` itself: one process, as asked
+    # `accelerate launch --num_processes 2` on a machine without GPUs (ACCELERATE_USE_CPU False, the launch's
+    # own variables set), and with --cpu: both start one process and say so.
+    for env in ({"ACCELERATE_USE_CPU": "False", "ACCELERATE_MIXED_PRECISION": "no"}, {"ACCELERATE_USE_CPU": "True"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        single = console.launch_banner(config, world_size=1, device="cpu", dtype=torch.float32, attention="sdpa")
+        assert "starts ONE process whatever --num_processes says" in single and "torchrun --nproc_per_node N" in single
+        for name in env:
+            monkeypatch.delenv(name)
 
     table = console.summary_table({"steps": 5, "train": {"loss": 2.0, "accuracy": 0.5, "tau": 1.5, "tokens_per_s": 2000.0,
                                                          "tokens_per_s_per_rank": 1000.0, "ranks": 2},

@@ -154,9 +154,12 @@ def launch_banner(config: Any, *, world_size: int, device: Any, dtype: Any, atte
         f"  target {config.target} | writes to {os.path.abspath(config.output_dir)} (metrics.jsonl, checkpoints/, "
         "export/, summary.json)",
     ]
-    if world_size == 1 and os.environ.get("ACCELERATE_USE_CPU") == "True":
-        lines.append("  note: `accelerate launch --cpu` starts ONE process whatever --num_processes says; for N CPU "
-                     "processes run `torchrun --nproc_per_node N -m dflash train ...`")
+    # `accelerate launch` without GPUs (with --cpu, or without it on a machine that has none) starts ONE process
+    # whatever --num_processes says, and sets no WORLD_SIZE: its own variables are the only trace of it.
+    by_accelerate = os.environ.get("ACCELERATE_USE_CPU") == "True" or "ACCELERATE_MIXED_PRECISION" in os.environ
+    if world_size == 1 and str(device).startswith("cpu") and by_accelerate:
+        lines.append("  note: `accelerate launch` on CPUs (--cpu, or a machine without GPUs) starts ONE process whatever "
+                     "--num_processes says; for N CPU processes run `torchrun --nproc_per_node N -m dflash train ...`")
     return "\n".join(lines)
 
 
