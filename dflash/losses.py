@@ -42,6 +42,15 @@ def block_labels(label_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Te
     return torch.where(valid, labels, 0)
 
 
+def teacher_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                   count: int) -> torch.Tensor:
+    """The token at a + j `[B, N, count]` as a teacher-forced causal head reads it: the label where slot j is
+    supervised (labels `[B, N, bs]`, valid `[B, N, bs]`), else the data token (j = 0: the anchor token)."""
+    positions, _ = block_positions(anchors, count, input_ids.shape[1])
+    data = torch.gather(input_ids, 1, positions.flatten(1)).view_as(positions)
+    return torch.where(valid[..., :count], labels[..., :count], data)
+
+
 # Position decay gamma by block size: the values the design card gives (DESIGN §4).
 _DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 

@@ -30,6 +30,8 @@ def _layout(block_size: int, variant: str) -> dict[str, int]:
     }
     if variant == "domino":  # the base (uncorrected) logits' loss / accuracy / tau, and lambda
         layout.update({"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1, "lambda": 1})
+    if variant == "dflash2":  # the unary argmax's accuracy / tau, gold-in-top-K count, selector loss
+        layout.update({"base_correct": 1, "base_accepted": 1, "candidate_hits": 1, "selector_loss_sum": 1})
     return layout
 
 
@@ -113,4 +115,10 @@ class Metrics:
             out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
             out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
             out["lambda"] = ratio(t["lambda"], t["micro_batches"]).item()
+        if "candidate_hits" in t:  # DFlash 2: accuracy / tau are the selected tokens', loss the unary CE
+            out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
+            out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
+            out["candidate_recall"] = ratio(t["candidate_hits"], t["scored"]).item()  # gold among the top-K
+            out["selector_accuracy"] = ratio(t["correct"], t["candidate_hits"]).item()  # picked it, where it could
+            out["selector_loss"] = ratio(t["selector_loss_sum"], t["weight_sum"]).item()
         return out

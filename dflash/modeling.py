@@ -278,9 +278,13 @@ class DFlashDraftModel(nn.Module):
         num_feats = len(cfg.target_layer_ids)
         self.fc = nn.Linear(num_feats * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters()
+
+    def make_layer(self, cfg: DFlashDraftConfig) -> DraftLayer:
+        """One decoder layer (a variant with its own layer, DFlash 2, overrides this)."""
+        return DraftLayer(cfg)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -25,6 +25,8 @@ torch.set_num_threads(1)  # also where the environment already set OMP_NUM_THREA
 TINY_VOCAB = 128
 TINY_MASK_ID = TINY_VOCAB - 1
 DOMINO_HEAD = {"draft__kind": "domino", "domino__gru_hidden_dim": 32, "domino__emb_dim": 16}  # a small Domino head
+# A small DFlash 2 head: 48 of 128 candidates, so a random draft has gold tokens both inside and outside the top-K
+DFLASH2_HEAD = {"draft__kind": "dflash2", "dflash2__selector_rank": 8, "dflash2__selector_top_k": 48}
 
 
 def make_tiny_target(num_layers: int = 4, hidden: int = 64, vocab: int = TINY_VOCAB, seed: int = 0,

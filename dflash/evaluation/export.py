@@ -18,6 +18,11 @@ layer_types all "full_attention", silu, no attention bias, untied) plus the DFla
 plus, for a Domino draft (`dflash_config.projector_type: domino` with `emb_dim`, `gru_hidden_dim`,
 `pure_draft_prefix_len`, `shift_label`), its head: prefix_gru.weight_ih_l0 [3G, H],
 prefix_gru.weight_hh_l0 [3G, G], embed_proj.0.weight [emb_dim, H + G], embed_proj.2.weight [V, emb_dim].
+plus, for a DFlash 2 draft (`dflash_config` with `conv_kernel_size`, `conv_group_size`, `selector_rank`,
+`selector_top_k` and `block_size`; `architectures: ["DFlash2DraftModel"]`, top-level `is_causal: false`, as
+z-lab's published config and SGLang / vLLM read it): layers.{i}.{attention,mlp}_conv.base_kernel [2, T, H],
+layers.{i}.{attention,mlp}_conv.kernel_projection.weight [2*T*H/g, H], candidate_selector.hidden_projection.weight
+[r, H], and the raw codebooks candidate_selector.{predecessor,successor}_codebook [V, r] (no `.weight`).
 No embedding and no LM head: every consumer uses the target's.
 
 Who reads these names (checked against their public source, not run here): the reference DFlash
@@ -61,6 +66,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.config import HELD_OUT_SPLIT_KEYS
+from dflash.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from dflash.dflash2 import dflash2_weight_names, is_dflash2
 from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
 from dflash.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
@@ -78,9 +85,11 @@ _DFLASH_CORE_KEYS = ("mask_token_id", "target_layer_ids")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def expected_weight_names(num_layers: int, *, domino: bool = False) -> set[str]:
-    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (+ the Domino head)."""
+def expected_weight_names(num_layers: int, *, domino: bool = False, dflash2: bool = False) -> set[str]:
+    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (+ the Domino head, or DFlash 2's
+    convs and selector)."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | (DOMINO_WEIGHT_NAMES if domino else set())
+    names |= dflash2_weight_names(num_layers) if dflash2 else set()
     per_layer = [
         "input_layernorm.weight", "post_attention_layernorm.weight",
         *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -103,8 +112,12 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
     clash = reserved & set(cfg.extra)
     if clash:
         raise ValueError(f"draft.config.extra must not redefine {sorted(clash)} (they come from the config fields)")
+    dflash2 = is_dflash2(cfg)
+    # DFlash 2 readers take block_size from dflash_config; vLLM lets top-level is_causal decide in-block causality
+    variant = {"is_causal": False} if dflash2 else {}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [DFLASH2_ARCHITECTURE if dflash2 else "DFlashDraftModel"],
+        **variant,
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": n,
@@ -136,6 +149,7 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
             **cfg.extra,
+            **({"block_size": cfg.block_size} if dflash2 else {}),
             **({"target": target} if target else {}),
             **({"held_out_split": held_out} if held_out else {}),
         },
@@ -157,7 +171,7 @@ def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_d
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
     state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in weights.items()}
-    expected = expected_weight_names(cfg.num_hidden_layers, domino=domino)
+    expected = expected_weight_names(cfg.num_hidden_layers, domino=domino, dflash2=is_dflash2(cfg))
     missing = sorted(expected - set(state))
     extra = sorted(set(state) - expected)
     if missing or extra:  # the trainer's names must be the published ones: never write a wrong file
@@ -289,7 +303,8 @@ def exported_folder(path: str | Path) -> Path:
 def load_exported(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
                   *, target_model: nn.Module | None = None) -> DFlashDraftModel:
     """Read an exported folder back into a draft (eval mode, on `device`, in `dtype`): a
-    `DominoDraftModel` when `dflash_config.projector_type` is `domino`, else a `DFlashDraftModel`.
+    `DominoDraftModel` when `dflash_config.projector_type` is `domino`, a `DFlash2DraftModel` when it holds the
+    DFlash 2 keys, else a `DFlashDraftModel`.
 
     The tensor names must be exactly the model's (the error lists missing and unexpected names);
     shapes must match the config. With `target_model`, `check_compatible` runs first.

@@ -144,6 +144,12 @@ def is_domino_config(config: dict[str, Any]) -> bool:
     return _get(config, "dflash_config.projector_type") == PROJECTOR_TYPE
 
 
+def is_dflash2_config(config: dict[str, Any]) -> bool:
+    """A DFlash 2 export (`architectures: ["DFlash2DraftModel"]`): its loaders (SGLang's `DFlash2DraftModel`,
+    PR #35371; vLLM's `qwen3_dflash2.py`, PR #52816) were not read for this table, so no command is given."""
+    return "DFlash2DraftModel" in (config.get("architectures") or [])
+
+
 def check_serving_fields(export_dir: str | Path) -> list[str]:
     """Every way the export's config.json differs from what the engines' loaders read (empty: none)."""
     folder, config = _read(export_dir)
@@ -214,6 +220,8 @@ def serving_commands(export_dir: str | Path) -> dict[str, str]:
     """Engine -> a one-line launch command serving the export with its target; an engine that cannot serve
     the export faithfully (vLLM for a Domino draft) has no entry. The target is `dflash_config.target`."""
     folder, config = _read(export_dir)
+    if is_dflash2_config(config):
+        return {}
     target, _ = _target(config)
     block = config.get("block_size")
     if not isinstance(block, int) or isinstance(block, bool):
@@ -234,6 +242,10 @@ def format_serving(export_dir: str | Path) -> str:
     """The text `dflash export` prints: per engine one header line (engine, what it was checked against)
     and its command, or why there is none; then notes and any `check_serving_fields` problems."""
     _, config = _read(export_dir)
+    if is_dflash2_config(config):  # nothing printed that was not checked against the engines' loaders
+        return ("Serving (block_size {}): a DFlash 2 draft. Its launch lines are not checked against the engines' "
+                "DFlash 2 loaders yet (SGLang DFlash2DraftModel, vLLM qwen3_dflash2.py); vLLM's "
+                "num_speculative_tokens would be block_size - 1.".format(config.get("block_size")))
     commands = serving_commands(export_dir)
     lines = ["Serve it (block_size {}):".format(config.get("block_size"))]
     for engine, (name, checked) in ENGINES.items():

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.dflash2 import DFlash2DraftModel, dflash2_propose
 from dflash.domino import DominoDraftModel, domino_propose
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftModel, cache_kwarg
@@ -167,7 +168,8 @@ def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, conte
 
     `first_token` `[1, 1]` is slot 0 (the last emitted token); the other slots are the mask token.
     The draft sees every context position (all are < start) and its whole block, so no mask is needed.
-    A Domino draft's tokens come from its causal correction head (`domino_propose`).
+    A Domino draft's tokens come from its causal correction head (`domino_propose`), a DFlash 2 draft's from its
+    selector's greedy walk over the top-K candidates (`dflash2_propose`).
     """
     device = first_token.device
     ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
@@ -180,6 +182,8 @@ def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, conte
     head = target_model.get_output_embeddings().weight  # [V, H]
     if isinstance(draft, DominoDraftModel):
         return domino_propose(draft, hidden, first_token, embed, head)
+    if isinstance(draft, DFlash2DraftModel):
+        return dflash2_propose(draft, hidden, first_token, head)
     return head_logits(hidden[:, 1:], head).argmax(-1)
 
 
@@ -224,6 +228,8 @@ def speculative_generate(
     bs = block_size or cfg.block_size
     if bs < 2:
         raise ValueError(f"block_size must be >= 2, got {bs}")
+    if isinstance(draft, DFlash2DraftModel) and bs != cfg.block_size:  # its convs run over blocks of its own size
+        raise ValueError(f"a DFlash 2 draft decodes blocks of its block_size {cfg.block_size}, not {bs}")
     mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
     stops = set(stop_token_ids or ())
     device = model.get_input_embeddings().weight.device

@@ -1,0 +1,328 @@
+"""DFlash 2 drafts (`draft.kind: dflash2`): config, the block convs and selector, the objective against a
+plain per-position loop, accumulation parity, a sync-free step, export and lossless decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import conftest as fixtures
+from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
+from dflash.anchors import sample_anchors
+from dflash.cli.config_keys import key_table
+from dflash.config import TrainConfig
+from dflash.dflash2 import DFlash2DraftModel, GroupedDynamicConv, dflash2_weight_names
+from dflash.dflash2_objective import DFlash2Objective
+from dflash.diagnostics import forbid_syncs
+from dflash.evaluation import speculative as sp
+from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
+from dflash.evaluation.serving import format_serving, serving_commands
+from dflash.factory import build_draft, build_objective
+from dflash.hf.module import DFlashTrainingModule
+from dflash.losses import block_targets
+from dflash.metrics import Metrics
+from dflash.modeling import DFlashDraftModel
+from dflash.trainer import DFlashTrainer
+
+BS = 4
+
+
+def _objective(target=None, **overrides) -> DFlash2Objective:
+    """A DFlash 2 objective whose every weight is non-trivial (a fresh draft is its DFlash backbone)."""
+    cfg = tiny_config(**{**DFLASH2_HEAD, **overrides})
+    torch.manual_seed(0)
+    obj = build_objective(cfg, target or make_tiny_target(), None, device=torch.device("cpu"), dtype=torch.float32)
+    _perturb(obj.draft)
+    return obj.train()
+
+
+def _perturb(draft: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+
+
+# ---- config ----------------------------------------------------------------------------------------
+
+
+def test_config_keys_defaults_and_refusals():
+    cfg = TrainConfig.from_sources(None, ["draft.kind=dflash2", "dflash2.selector_gold=insert"], presets=False)
+    assert (cfg.draft.kind, cfg.dflash2.selector_gold) == ("dflash2", "insert")
+    keys = {row[0]: row[1] for row in key_table()}
+    assert {k: keys[f"dflash2.{k}"] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                                              "selector_alpha", "selector_gold")} == {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0,
+        "selector_gold": "strict"}
+    for bad, message in [(["dflash2.selector_gold=maybe"], "selector_gold must be one of"),
+                         (["dflash2.selector_top_k=0"], "selector_top_k must be >= 1"),
+                         (["dflash2.conv_kernel_size=17"], "conv_kernel_size must be in"),
+                         (["draft.kind=dflash2", "draft.position_weights=dpace"], "dpace is not implemented"),
+                         (["draft.kind=dflash2", "data.features=/tmp/x"], "offline features"),
+                         (["draft.kind=dflash2", "tensor_parallel.size=2"], "tensor-parallel")]:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_sources(None, bad, presets=False)
+
+
+def test_the_transformers_trainer_path_refuses_a_dflash2_draft(tiny_target):
+    with pytest.raises(ValueError, match="not yet by the transformers.Trainer path"):
+        DFlashTrainingModule.from_config(tiny_config(**DFLASH2_HEAD), tiny_target, None)
+
+
+@pytest.mark.parametrize("overrides, message", [({"dflash2__conv_group_size": 24}, "multiple of conv_group_size"),
+                                                ({"dflash2__selector_top_k": TINY_VOCAB + 1}, "selector_top_k")])
+def test_a_head_that_does_not_fit_the_target_is_refused_when_built(tiny_target, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_draft(tiny_config(**{**DFLASH2_HEAD, **overrides}), tiny_target, None)
+
+
+# ---- model -----------------------------------------------------------------------------------------
+
+
+def test_a_fresh_dflash2_draft_computes_its_dflash_backbone(tiny_target):
+    dflash = build_draft(tiny_config(), tiny_target, None)
+    _perturb(dflash)
+    draft = build_draft(tiny_config(**DFLASH2_HEAD), tiny_target, None)
+    missing, unexpected = draft.load_state_dict(dflash.state_dict(), strict=False)
+    assert set(missing) == dflash2_weight_names(2) and not unexpected
+    assert isinstance(draft, DFlash2DraftModel) and type(dflash) is DFlashDraftModel
+    n = 3
+    embeds, positions = torch.randn(2, n * BS, 64), torch.arange(n * BS).repeat(2, 1) + 10
+    feats = torch.randn(2, 9, 64 * len(dflash.config.target_layer_ids))
+    torch.testing.assert_close(draft(embeds, positions, None, target_hidden=feats),
+                               dflash(embeds, positions, None, target_hidden=feats), rtol=0, atol=0)
+
+
+def _loop_conv(conv: GroupedDynamicConv, x: torch.Tensor, side: int, delta: torch.Tensor) -> torch.Tensor:
+    """conv(x; side, delta) one output element at a time (module doc of dflash.dflash2)."""
+    bsz, q, h = x.shape
+    out = torch.zeros_like(x)
+    for b in range(bsz):
+        for i in range(q):
+            k = i % conv.block_size  # slot inside its block
+            for t in range(conv.taps):
+                if k - t < 0:
+                    continue  # no tap crosses the block start
+                for c in range(h):
+                    coef = conv.base_kernel[side, t, c] + delta[b, i, side, t, c // conv.group]
+                    out[b, i, c] += coef * x[b, i - t, c]
+    return out
+
+
+def test_the_block_conv_equals_a_loop_and_stays_inside_each_block():
+    torch.manual_seed(0)
+    conv = GroupedDynamicConv(hidden=8, taps=3, group=4, block_size=BS)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    u, y = torch.randn(2, 3 * BS, 8), torch.randn(2, 3 * BS, 8)
+    delta = conv.kernel_projection(u).view(2, 3 * BS, 2, 3, 2)  # [B, Q, side, T, G]
+    first, delta_out = conv.prepare(u)
+    torch.testing.assert_close(first, _loop_conv(conv, u, 0, delta))
+    torch.testing.assert_close(conv.finish(y, delta_out), _loop_conv(conv, y, 1, delta))
+    # No leakage: changing block 1's slot 0 moves nothing in blocks 0 and 2 (input or coefficients)
+    u2 = u.clone()
+    u2[:, BS] += 1.0
+    moved = (conv.prepare(u2)[0] - first).abs().sum(dim=(0, 2)) > 0
+    assert moved.tolist() == [False] * BS + [True] * 3 + [False] + [False] * BS  # taps 0..2 reach slots 0..2
+
+
+# ---- objective -------------------------------------------------------------------------------------
+
+
+def naive_dflash2(obj: DFlash2Objective, ids, anchors, keep, targets) -> dict[str, torch.Tensor]:
+    """Loss and metrics of one micro-batch, position by position (float64 scores, fp32 top-K)."""
+    hidden, labels = obj.draft_hidden(ids, anchors, keep, targets)  # the shared backbone
+    head, sel = obj.target.lm_head_weight, obj.draft.candidate_selector
+    a_book, b_book, proj = sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight
+    bsz, n, _ = labels.shape
+    unary = selector = torch.zeros((), dtype=torch.float64)
+    selected, found = torch.zeros(bsz, n, BS - 1, dtype=torch.bool), torch.zeros(bsz, n, BS - 1, dtype=torch.bool)
+    for b in range(bsz):
+        for j in range(n):
+            a = anchors[b, j].item()
+            for k in range(1, BS):
+                h, y, w = hidden[b, j, k], labels[b, j, k].item(), targets.weights[b, j, k].double()
+                logits = (head @ h).double()
+                unary = unary + w * (torch.logsumexp(logits, 0) - logits[y])
+                cand = (head @ h).topk(obj.draft.top_k).indices.tolist()
+                if k == 1:
+                    pred = ids[b, a].item()
+                elif targets.valid[b, j, k - 1]:
+                    pred = labels[b, j, k - 1].item()
+                else:
+                    pred = ids[b, min(a + k - 1, ids.shape[1] - 1)].item()
+
+                def score(cands, h=h, pred=pred, logits=logits):
+                    gate = (proj @ h) * a_book[pred]
+                    return torch.stack([logits[c] + (gate * b_book[c]).sum().double() for c in cands])
+
+                found[b, j, k - 1] = y in cand
+                strict = score(cand)
+                selected[b, j, k - 1] = cand[strict.argmax().item()] == y
+                if y in cand:
+                    selector = selector + w * (torch.logsumexp(strict, 0) - strict[cand.index(y)])
+                elif obj.selector_gold == "insert":  # the gold replaces the weakest candidate, for the loss
+                    s = score(cand[:-1] + [y])
+                    selector = selector + w * (torch.logsumexp(s, 0) - s[-1])
+    return {"loss": unary + obj.selector_alpha * selector, "unary": unary, "selector": selector,
+            "selected": selected, "found": found}
+
+
+def _grads(obj, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    obj.draft.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in obj.draft.named_parameters()}
+
+
+@pytest.mark.parametrize("gold, width, alpha", [("strict", None, 1.0), ("insert", None, 0.7), ("strict", 3, 0.5),
+                                                ("insert", 3, 1.0)])
+def test_dflash2_objective_equals_the_per_position_reference(gold, width, alpha):
+    obj = _objective(dflash2__selector_gold=gold, dflash2__selector_alpha=alpha)
+    batch = random_batch(seed=11)
+    batch["loss_mask"][1, 20:] = False  # rows with different supervised counts; blocks that cross the end
+    ids, lm = batch["input_ids"], batch["loss_mask"]
+    anchors, keep, targets = obj.plan(ids, lm, torch.Generator().manual_seed(3), width)
+    out = obj(ids, anchors, keep, targets)
+    ref = naive_dflash2(obj, ids, anchors, keep, targets)
+    valid = targets.valid[..., 1:]
+    assert 0 < (ref["found"] & valid).sum() < valid.sum()  # gold tokens both inside and outside the top-K
+    torch.testing.assert_close(out.loss_sum.double(), ref["loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.ce_sum.double(), ref["unary"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.extras["selector_loss_sum"].double(), ref["selector"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.correct & valid, ref["selected"] & valid)
+    assert out.extras["candidate_hits"] == (ref["found"] & valid).sum()
+    scale = 1 / targets.weights.sum()  # the trainer's global token mean
+    got, want = _grads(obj, out.loss_sum * scale), _grads(obj, ref["loss"] * scale)
+    for name, g in got.items():
+        top = want[name].abs().max()
+        assert top > 0, name  # every weight, the convs' and the selector's too, gets a gradient
+        torch.testing.assert_close(g, want[name].to(g.dtype), rtol=1e-4, atol=1e-5 * top.item(), msg=name)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """Two micro-batches (each with its own top-K and selector loss) give the gradient and the metrics of their
+    concatenation under the global token mean (the window's weight sum divides every micro-batch's loss_sum)."""
+    batch = random_batch(batch=4, seed=1)
+    batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
+    obj = _objective()
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    g = torch.Generator().manual_seed(0)
+    plans = [sample_anchors(h["loss_mask"], obj.num_anchors, generator=g) for h in halves]
+    whole = tuple(torch.cat([p[i] for p in plans]) for i in range(2))
+    grads, metrics = [], []
+    for micro, parts in (([batch], [whole]), (halves, plans)):
+        window = [(m["input_ids"], anchors, keep, block_targets(m["input_ids"], m["loss_mask"], anchors, keep, BS, obj.gamma))
+                  for m, (anchors, keep) in zip(micro, parts, strict=True)]
+        denominator = sum(targets.weights.sum() for *_, targets in window)
+        obj.draft.zero_grad(set_to_none=True)
+        m = Metrics(BS, "cpu", obj.metrics_variant)
+        for ids, anchors, keep, targets in window:
+            out = obj(ids, anchors, keep, targets)
+            (out.loss_sum / denominator).backward()
+            obj.accumulate(m, out, keep, targets)
+        grads.append({n: p.grad.clone() for n, p in obj.draft.named_parameters()})
+        metrics.append(m.flush())
+    for key in ("loss", "selector_loss", "accuracy", "tau", "base_tau", "candidate_recall", "selector_accuracy"):
+        assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
+    assert 0 < metrics[0]["candidate_recall"] < 1
+    for name, grad in grads[0].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+# ---- the training step -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dflash2_training_steps_make_no_sync(compiled):
+    trainer = DFlashTrainer(tiny_config(**DFLASH2_HEAD, optim__grad_accum=2, compile=compiled), target=make_tiny_target())
+    batch = random_batch(batch=4)
+    trainer.train_step(batch)  # compiles outside the region (the first step builds the graphs)
+    with forbid_syncs(raise_on_first=False) as report:
+        for _ in range(3):
+            trainer.train_step(batch)
+    assert report.findings == [], report
+    metrics = trainer.metrics.flush()
+    assert 0 < metrics["candidate_recall"] <= 1 and metrics["selector_loss"] > 0
+    assert {"base_tau", "base_accuracy", "selector_accuracy", "tau"} <= set(metrics)
+
+
+# ---- export and decoding ---------------------------------------------------------------------------
+
+
+def test_export_writes_the_published_dflash2_contract_and_reads_back_equal(tmp_path, tiny_target):
+    draft = build_draft(tiny_config(**DFLASH2_HEAD), tiny_target, None)
+    _perturb(draft)
+    out = export_draft(draft, tmp_path / "export", dtype=torch.float32)
+    config = json.loads((out / CONFIG_NAME).read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
+    assert {k: config["dflash_config"][k] for k in ("block_size", "conv_kernel_size", "conv_group_size",
+                                                    "selector_rank", "selector_top_k")} == {
+        "block_size": BS, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 48}
+    assert "projector_type" not in config["dflash_config"]  # the keys themselves mark DFlash 2 (as SGLang reads it)
+    from safetensors import safe_open
+
+    with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert set(shapes) == expected_weight_names(2, dflash2=True)
+    assert shapes["candidate_selector.predecessor_codebook"] == shapes["candidate_selector.successor_codebook"] == (
+        TINY_VOCAB, 8)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (8, 64)
+    assert shapes["layers.1.attention_conv.base_kernel"] == shapes["layers.0.mlp_conv.base_kernel"] == (2, 2, 64)
+    assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * 2 * 64 // 16, 64)
+    loaded = load_exported(out)
+    assert isinstance(loaded, DFlash2DraftModel)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    # `dflash export` prints no launch line that was not checked against the engines' DFlash 2 loaders
+    assert serving_commands(out) == {} and "a DFlash 2 draft" in format_serving(out)
+
+
+def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, TINY_VOCAB - 1, (k,), generator=g).tolist() for k in [1, 5, 12, 29][:n]]
+
+
+def test_speculative_decoding_with_a_dflash2_draft_is_lossless_and_walks_the_selector(target, monkeypatch):
+    draft = build_draft(tiny_config(**DFLASH2_HEAD), target, None)
+    _perturb(draft)
+    with torch.no_grad():  # a pairwise term on the logits' scale: the walk differs from the unary argmax
+        draft.candidate_selector.successor_codebook.mul_(300.0)
+    report = sp.evaluate_speculative(target, draft.eval(), _prompts(), max_new_tokens=17, stop_token_ids=[])
+    assert report["new_tokens"] == 17 * 4  # evaluate_speculative raises LosslessError otherwise
+    hidden, first = torch.randn(3, BS, 64), torch.tensor([[5], [7], [9]])
+    head = target.get_output_embeddings().weight
+    drafted = sp.dflash2_propose(draft, hidden, first, head)
+    # the walk by hand: predecessor = the previous drafted token (the anchor for slot 1), best score among the top-K
+    sel = draft.candidate_selector
+    for b in range(3):
+        pred = first[b, 0].item()
+        for k in range(1, BS):
+            logits = head @ hidden[b, k]
+            cand = logits.topk(draft.top_k).indices
+            score = logits[cand] + (sel.successor_codebook[cand] * (sel.hidden_projection.weight @ hidden[b, k]
+                                                                    * sel.predecessor_codebook[pred])).sum(-1)
+            pred = cand[score.argmax()].item()
+            assert drafted[b, k - 1].item() == pred
+    assert not torch.equal(drafted, (hidden[:, 1:] @ head.t()).argmax(-1))  # the selector changed some drafts
+    with pytest.raises(ValueError, match="block_size 4, not 3"):
+        sp.speculative_generate(target, draft, _prompts(1)[0], max_new_tokens=4, block_size=3)
+
+
+def test_held_out_chain_tau_is_the_real_tau_of_the_selector_walk(target):
+    """On the target's own greedy text the chain estimate is real τ (test_chain's identity): the held-out
+    metrics score the selected tokens with the teacher-forced predecessor, which along an accepted prefix is
+    the decoder's walk; a trained draft, so that blocks accept and the selector has learnt something."""
+    import datasets
+
+    trainer = fixtures.train_on_continuations(target, steps=30, **DFLASH2_HEAD)
+    ids, loss_mask = fixtures.continuation_batch(target)  # prompts of 6 tokens + 26 greedy tokens
+    rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": loss_mask.int().tolist()})
+    held_out = trainer.evaluate(rows)
+    real = sp.evaluate_speculative(target, trainer.draft, ids[:, :6].tolist(), max_new_tokens=26, warmup=False)
+    assert real["tau"] > 1.1, real["tau"]
+    assert held_out["chain_tau"] == pytest.approx(real["tau"], rel=1e-9)
+    assert held_out["chain_forwards"] == real["target_forwards"]
+    assert trainer.draft.candidate_selector.successor_codebook.abs().max() > 0  # the selector trained
