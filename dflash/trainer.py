@@ -123,8 +123,8 @@ class DFlashTrainer:
             keep_compile_cache(config.data.cache_dir or cache_root())
             call = compile_draft_call(call, self.draft.layers, config.compile_scope)
         self.shape_log = ShapeLog(enabled=config.compile and rank == 0)  # "compiling for shape ..." and its seconds
-        self.target = frozen_target or freeze_target(config, target, self.draft_config.target_layer_ids).to(
-            self.device, self.dtype)
+        self.target = frozen_target if frozen_target is not None else freeze_target(
+            config, target, self.draft_config.target_layer_ids).to(self.device, self.dtype)
         self.objective = objective_for(config, self.target, self.draft, device=self.device, dtype=self.dtype,
                                        draft_call=call)
 
