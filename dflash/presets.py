@@ -4,7 +4,7 @@ Applied only when the target is "embedded" and only to keys the user did not set
 key=value), so `dflash train max_steps=50` still gets every other embedded default.
 
 CPU (2 cores, at most 15 minutes end to end): a short regeneration (cached for the next run), a
-2-layer draft with blocks of 8, 150 steps (a 7-minute budget caps them on a slower machine), then
+2-layer draft with blocks of 4, 150 steps (a 7-minute budget caps them on a slower machine), then
 export and a real speculative evaluation on 20 held-out prompts. GPU: the same recipe at full size (the first three
 user messages of every chitchat conversation regenerated as single-turn prompts, larger batches, bf16 +
 flex attention, a 10-minute training budget) with a compiled Domino draft, whose real τ beat DFlash's at
@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 EMBEDDED_CPU: dict[str, Any] = {
-    # Block 8 with 16 anchors per row, 8 rows of 192 tokens, twice the conversations (600): a weak draft
-    # wastes less of a shorter block, and the draft sees more target-written text in the same steps.
-    # 150 steps reached real tau 1.35 (held-out chain 1.36) against 1.12 for block 16 / 32 anchors /
-    # 4 rows of 256 / 300 conversations (docs/benchmarks.md, 2026-12-03).
+    # Block 4 with 32 anchors per row, 8 rows of 192 tokens, twice the conversations (600): a weak draft
+    # wastes less of a short block (its acceptance is ~0 past the third slot), more anchors train the
+    # early slots more often, and the draft sees more target-written text in the same steps. Real tau
+    # 1.53 against 1.35 for block 8 / 16 anchors and 1.12 for block 16 / 32 anchors / 4 rows of 256 /
+    # 300 conversations (docs/benchmarks.md, 2026-12-03).
     "draft.num_layers": 2,
-    "draft.block_size": 8,
-    "draft.num_anchors": 16,
+    "draft.block_size": 4,
+    "draft.num_anchors": 32,
     "batch_size": 8,
     "data.max_length": 192,
     "data.limit": 600,
