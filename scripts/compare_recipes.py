@@ -11,7 +11,7 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
 Variants: regen (the default: the target's regenerated replies), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
 domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
-graph (`cuda_graph: true`), fixed-width (`draft.anchor_widths=1`: no host-bounded width). Each row also
+graph (`cuda_graph: true`), fp8 (`fp8: true`), fixed-width (`draft.anchor_widths=1`: no host-bounded width). Each row also
 gives the training throughput of its last log window, the peak accelerator memory and the number of
 CUDA graphs captured.
 """
@@ -40,6 +40,7 @@ VARIANTS: dict[str, list[str]] = {
     "domino-ss": ["draft.kind=domino", "domino.scheduled_sampling=0.5"],
     "graph": ["cuda_graph=true"],  # the hot path: every step a CUDA-graph replay (one graph per batch shape)
     "fixed-width": ["draft.anchor_widths=1"],  # every batch at the full anchor width N
+    "fp8": ["fp8=true"],  # float8 GEMMs in the draft's linear layers (torchao): its quality cost, same steps
 }
 
 

@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from dflash.anchors import sample_anchors
-from dflash.attention import dense_dflash_mask, flex_dflash_mask
+from torch.nn.attention.flex_attention import create_block_mask
+
+from dflash.attention import dense_dflash_mask, dflash_mask_mod, flex_dflash_mask
+from dflash.diagnostics.syncs import forbid_syncs
 
 
 def reference_mask(anchors, keep, seq_len, bs):
@@ -73,27 +76,61 @@ def test_sdpa_rows_never_nan():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("seed,compile_mask", [(0, False), (5, False), (0, True)])
-def test_flex_matches_dense_forward(seed, compile_mask, monkeypatch):
-    """The BlockMask gives the dense mask's attention. The GPU path builds it with
-    `torch.compile(create_block_mask)`, not the `_compile` flag torch deprecated. Inductor's CPU code for
-    this mask does not compile, so here torch.compile is replaced by the identity and the test checks
-    that it was asked for, with no deprecation warning."""
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def assert_block_masks_equal(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, bs: int, tile: int):
+    """Every tensor of `flex_dflash_mask`'s BlockMask equals `create_block_mask`'s (which evaluates the rule
+    on every (query, key) pair): partial and full tiles, their order, the transposed (backward) tables."""
+    bsz, n = anchors.shape
+    ref = create_block_mask(dflash_mask_mod(anchors, keep, seq_len, bs), B=bsz, H=None, Q_LEN=n * bs,
+                            KV_LEN=seq_len + n * bs, device="cpu", BLOCK_SIZE=tile)
+    got = flex_dflash_mask(anchors, keep, seq_len, bs, tile=tile)
+    assert got.seq_lengths == ref.seq_lengths and got.BLOCK_SIZE == ref.BLOCK_SIZE
+    for name in BLOCK_MASK_FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=0, atol=0, msg=name)
+    assert ref.kv_num_blocks.sum() > 0
+    return ref
+
+
+@pytest.mark.parametrize("bsz, seq_len, n, bs, tile", [(2, 60, 8, 4, 16), (3, 100, 7, 3, 16), (2, 300, 32, 16, 128),
+                                                       (1, 130, 9, 7, 32), (2, 61, 5, 5, 8), (2, 64, 4, 8, 16)])
+def test_the_block_mask_from_anchors_equals_create_block_mask(bsz, seq_len, n, bs, tile):
+    """Q and KV not multiples of the tile, dropped blocks, an anchor at 0."""
+    g = torch.Generator().manual_seed(bsz * 1000 + seq_len)
+    anchors = torch.sort(torch.randint(0, seq_len, (bsz, n), generator=g), dim=1).values
+    anchors[0, 0] = 0
+    assert_block_masks_equal(anchors, torch.rand(bsz, n, generator=g) > 0.3, seq_len, bs, tile)
+
+
+def test_full_context_tiles_are_found_like_create_block_mask():
+    """Late anchors: the context tiles before every anchor of a query tile are full, the one an anchor
+    cuts is partial (and a dropped block's rows make its query tile's context tiles partial at most)."""
+    anchors = torch.tensor([[150, 161, 170, 199], [120, 121, 150, 190]])
+    keep = torch.tensor([[True, True, True, True], [True, False, True, True]])
+    ref = assert_block_masks_equal(anchors, keep, 200, 8, 8)
+    assert ref.full_kv_num_blocks.sum() > 0
+    # Q = 15 in tiles of 16: the padded 16th row sees nothing, so no tile of that query tile is full
+    ref = assert_block_masks_equal(torch.tensor([[40, 50, 60]]), torch.tensor([[True, True, True]]), 64, 5, 16)
+    assert ref.full_kv_num_blocks.sum() == 0 and ref.kv_num_blocks.sum() > 0
+
+
+def test_the_block_mask_is_built_without_a_sync():
+    anchors, keep, seq_len, bs = _random_case(1, bsz=2, seq_len=200, n=16, bs=8)
+    with forbid_syncs(device="cpu", raise_on_first=False) as report:
+        flex_dflash_mask(anchors, keep, seq_len, bs, tile=32)
+    assert report.findings == []
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_flex_matches_dense_forward(seed):
+    """The BlockMask gives the dense mask's attention (flex attention's CPU forward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash import attention
-
-    compiled = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn.__name__) or fn)
-    attention._compiled_create_block_mask.cache_clear()
     anchors, keep, seq_len, bs = _random_case(seed, bsz=2, seq_len=60, n=8, bs=4)
     dense = dense_dflash_mask(anchors, keep, seq_len, bs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        block_mask = flex_dflash_mask(anchors, keep, seq_len, bs, compile=compile_mask)
-    attention._compiled_create_block_mask.cache_clear()
-    assert compiled == (["create_block_mask"] if compile_mask else [])
-    assert not [w for w in caught if "_compile" in str(w.message)]
+    block_mask = flex_dflash_mask(anchors, keep, seq_len, bs)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, dense.shape[2], 16, generator=g)
     k = torch.randn(2, 2, dense.shape[3], 16, generator=g)
