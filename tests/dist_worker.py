@@ -1,4 +1,5 @@
-"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo).
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo), and
+by tests/test_dflash2_distributed.py under `torch.distributed.run --nproc_per_node 2` (`dflash2`).
 
     python tests/dist_worker.py OUT            DDP: one step on each rank's half of a fixed batch with
                                                fixed anchors (the optimizer update held back so the
@@ -10,6 +11,11 @@
                                                weights and the reduce-scatters issued; then a step with
                                                a non-finite loss (must be skipped) and a step inside
                                                forbid_syncs().
+    python tests/dist_worker.py OUT dflash2    `draft.kind: dflash2`, under DDP then FSDP2, for each
+                                               `dflash2.selector_gold`: two full steps on each rank's half
+                                               of a batch whose rank-0 rows are nearly unsupervised (the
+                                               gradients before each update, the updated weights, the
+                                               metrics), then a step inside forbid_syncs().
 
 Rank 0 writes everything to OUT.
 """
@@ -26,8 +32,10 @@ import torch.distributed as dist
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from conftest import make_tiny_target, random_batch, tiny_config  # noqa: E402
+from conftest import DFLASH2_HEAD, make_tiny_target, random_batch, tiny_config  # noqa: E402
 from dflash.anchors import reseed, sample_anchors  # noqa: E402
+from dflash.diagnostics import forbid_syncs  # noqa: E402
+from dflash.factory import build_draft  # noqa: E402
 from dflash.runtime import shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
@@ -91,7 +99,6 @@ def main_fsdp2(out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
     import dflash.objective as objective
-    from dflash.diagnostics import forbid_syncs
 
     target = make_tiny_target()
     # Each rank builds different initial weights (different seeds): rank 0's must win, as under DDP.
@@ -155,9 +162,87 @@ def main_fsdp2(out: Path) -> None:
     dist.barrier()
 
 
+# DFlash 2: every (distributed mode, selector gold) pair; 2 micro-batches per step, clipping active.
+DFLASH2_RUNS = [(mode, gold) for mode in ("ddp", "fsdp2") for gold in ("strict", "insert")]
+DFLASH2_STEPS = 2
+
+
+def dflash2_config(mode: str, gold: str):
+    return tiny_config(**DFLASH2_HEAD, dflash2__selector_gold=gold, distributed=mode, optim__grad_accum=2,
+                       optim__max_grad_norm=1.0)
+
+
+def dflash2_plan():
+    """The 4-row batch and its anchors: rows 0-1 (rank 0's) supervise 3 tokens, so they keep 2 anchors each
+    against 8 in rows 2-3: the window's global weight sum, not a rank's, must divide both losses."""
+    batch = random_batch(batch=4, seed=1)
+    batch["loss_mask"][:2, 7:] = False
+    anchors, keep = sample_anchors(batch["loss_mask"], 8, generator=torch.Generator().manual_seed(0))
+    return batch, anchors, keep
+
+
+def dflash2_trainer(mode: str, gold: str) -> DFlashTrainer:
+    """A DFlash 2 trainer whose draft has every weight non-trivial, alike in every process (a fresh draft's
+    successor codebook is 0: the selector's other weights would get no gradient in the first step)."""
+    config, target = dflash2_config(mode, gold), make_tiny_target()
+    torch.manual_seed(config.seed)
+    draft = build_draft(config, target, None)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return DFlashTrainer(config, target=target, draft=draft)
+
+
+def copied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in state.items()}  # a CPU state dict may share the parameters' storage
+
+
+def dflash2_steps(trainer: DFlashTrainer, batch: dict[str, torch.Tensor]) -> dict:
+    """DFLASH2_STEPS steps on `batch`: the whole gradients each update applies, the weights before and after
+    (both collectives under FSDP2: call on every rank) and the metrics."""
+    init, grads, real_step = copied(trainer.draft_state_dict()), [], trainer.optimizer.step
+
+    def recording_step():
+        grads.append({n: (p.grad.full_tensor() if trainer.fsdp else p.grad).detach().clone().cpu()
+                      for n, p in trainer.draft.named_parameters()})
+        real_step()
+
+    trainer.optimizer.step = recording_step
+    for _ in range(DFLASH2_STEPS):
+        trainer.train_step(batch)
+    trainer.optimizer.step = real_step
+    return {"init": init, "grads": grads, "updated": copied(trainer.draft_state_dict()), "metrics": trainer.metrics.flush()}
+
+
+def main_dflash2(out: Path) -> None:
+    import dflash.objective as objective
+
+    batch, anchors, keep = dflash2_plan()
+    results = {}
+    for mode, gold in DFLASH2_RUNS:
+        trainer = dflash2_trainer(mode, gold)
+        rank = trainer.rank
+        assert trainer.world_size == 2 and trainer.fsdp == (mode == "fsdp2"), (trainer.world_size, trainer.fsdp)
+        mine = {k: v[2 * rank: 2 * rank + 2] for k, v in batch.items()}
+        objective.sample_anchors = fixed_anchors(anchors, keep, range(2 * rank, 2 * rank + 2))
+        record = dflash2_steps(trainer, mine)
+        with forbid_syncs(raise_on_first=False) as report:  # invariant 1: a non-log step reads nothing back
+            trainer.train_step(mine)
+        trainer.metrics.flush()
+        findings = [None, None]
+        dist.all_gather_object(findings, [str(f) for f in report.findings])
+        results[mode, gold] = {**record, "sync_findings": findings}
+        del trainer
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["fsdp2"]:
         main_fsdp2(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["dflash2"]:
+        main_dflash2(Path(sys.argv[1]))
     else:  # DDP, with the position weights named after the output path (default: decay)
         main_ddp(Path(sys.argv[1]), *sys.argv[2:])
     shutdown_distributed()  # the trainers are gone: their DDP reducers before the group, not at exit (SIGABRT)

@@ -7,10 +7,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-
-from dflash.anchors import sample_anchors
 from torch.nn.attention.flex_attention import create_block_mask
 
+from dflash.anchors import sample_anchors
 from dflash.attention import dense_dflash_mask, dflash_mask_mod, flex_dflash_mask
 from dflash.diagnostics.syncs import forbid_syncs
 
