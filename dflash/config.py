@@ -21,7 +21,7 @@ from dflash.presets import embedded_preset
 
 # The choices of a key are its type: `_convert` refuses others when a key is set, `validate` when a field
 # was assigned in code, both from the Literal (`choice_errors`), and `dflash config` lists them.
-Kind = Literal["dflash", "domino", "dflash2"]
+Kind = Literal["dflash", "domino", "dflash2", "dspark"]
 SelectorGold = Literal["strict", "insert"]  # DFlash 2: the selector loss where the gold token is not a candidate
 Attention = Literal["auto", "sdpa", "flex"]
 PositionWeights = Literal["decay", "dpace", "none"]
@@ -37,7 +37,7 @@ CompileScope = Literal["layers", "step"]  # regional (each decoder layer) or the
 class DraftSettings:
     """The draft model and its block objective."""
 
-    kind: Kind = "dflash"  # the draft family: DFlash, Domino (a causal GRU correction head) or DFlash 2 (convs + selector)
+    kind: Kind = "dflash"  # the draft family: DFlash, Domino (GRU correction head), DFlash 2 (convs + selector), DSpark
     num_layers: int = 1
     block_size: int = 16
     num_anchors: int = 512  # N: anchors per row (the most; static widths)
@@ -85,6 +85,20 @@ class DFlash2Settings:
     # Selector loss where the gold token is not among the top-K: strict (none, SpecForge) or insert (the
     # weakest candidate replaced by the gold, vLLM speculators #1006; for the loss only)
     selector_gold: SelectorGold = "strict"
+
+
+@dataclass
+class DSparkSettings:
+    """DSpark Markov and confidence heads and loss (`draft.kind: dspark`; what it refuses: `factory.check_dspark_support`)."""
+
+    markov_rank: int = 256  # rank r of the Markov head: logits + W2 W1[previous token], W1 and W2 [vocab, r]
+    markov_head_type: str = "vanilla"  # only vanilla is implemented (DeepSpec's gated and rnn heads are refused)
+    enable_confidence_head: bool = True  # train the acceptance-probability head (it never changes the drafted tokens)
+    confidence_head_with_markov: bool = True  # the confidence head reads [h; W1[previous token]] (false: h only)
+    loss_decay_gamma: float | None = 4.0  # position decay exp(-k / gamma) of slot k = 0..bs-1 (null: none)
+    ce_alpha: float = 0.1  # weight of the CE against the data token
+    l1_alpha: float = 0.9  # weight of ||p_draft - p_target||_1 over the full vocabulary at T = 1 (twice the TV)
+    confidence_alpha: float = 1.0  # weight of the confidence head's BCE against the soft acceptance 1 - L1 / 2
 
 
 @dataclass
@@ -152,6 +166,7 @@ class TrainConfig:
     draft: DraftSettings = field(default_factory=DraftSettings)
     domino: DominoSettings = field(default_factory=DominoSettings)
     dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)
+    dspark: DSparkSettings = field(default_factory=DSparkSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     data: DataSettings = field(default_factory=DataSettings)
     tensor_parallel: TensorParallelSettings = field(default_factory=TensorParallelSettings)
@@ -205,6 +220,11 @@ class TrainConfig:
             (0 < self.domino.decay_ratio <= 1, "domino.decay_ratio must be in (0, 1]"),
             (0 <= self.domino.scheduled_sampling <= 1, "domino.scheduled_sampling must be in [0, 1]"),
             *self._dflash2_checks(),
+            (self.dspark.markov_rank >= 1, "dspark.markov_rank must be >= 1"),
+            (self.dspark.loss_decay_gamma is None or self.dspark.loss_decay_gamma > 0,
+             "dspark.loss_decay_gamma must be > 0 or null (off)"),
+            (min(self.dspark.ce_alpha, self.dspark.l1_alpha, self.dspark.confidence_alpha) >= 0,
+             "dspark.ce_alpha/l1_alpha/confidence_alpha must be >= 0"),
             (self.optim.lr > 0, "optim.lr must be > 0"),
             (self.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
             (0 <= self.optim.beta1 < 1 and 0 <= self.optim.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)"),
@@ -299,8 +319,12 @@ class TrainConfig:
         cfg = cls()
         for key, value in pairs:
             cfg.set(key, value)
+        given = {key for key, _ in pairs}
+        unset = {"draft.block_size": 7} if cfg.draft.kind == "dspark" else {}  # DeepSpec's published DSpark blocks
         if presets and cfg.target == "embedded":
-            for key, value in embedded_preset(cfg.device, {key for key, _ in pairs}).items():
+            unset.update(embedded_preset(cfg.device, given))  # the embedded budget (its block size too) wins
+        for key, value in unset.items():
+            if key not in given:
                 cfg.set(key, value)
         cfg.validate()
         return cfg

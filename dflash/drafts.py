@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dflash.dflash2 import DFlash2DraftModel, is_dflash2
 from dflash.domino import DominoDraftModel, is_domino
+from dflash.dspark import DSparkDraftModel, is_dspark
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
 
 def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
     """A `DominoDraftModel` when the config says `projector_type: domino`, a `DFlash2DraftModel` when it holds
-    the DFlash 2 conv / selector keys, else a DFlash draft."""
+    the DFlash 2 conv / selector keys, a `DSparkDraftModel` when it holds the DSpark head keys, else a DFlash draft."""
     if is_domino(cfg):
         return DominoDraftModel(cfg)
+    if is_dspark(cfg):
+        return DSparkDraftModel(cfg)
     return DFlash2DraftModel(cfg) if is_dflash2(cfg) else DFlashDraftModel(cfg)

@@ -24,6 +24,8 @@ from dflash.dflash2 import DFlash2HeadConfig
 from dflash.dflash2_objective import DFlash2Objective
 from dflash.domino import DominoHeadConfig, DominoObjective
 from dflash.drafts import draft_model_for_config
+from dflash.dspark import DSparkHeadConfig
+from dflash.dspark_objective import DSparkObjective
 from dflash.embedded import EMBEDDED_MASK_TOKEN
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
@@ -44,9 +46,31 @@ def configured_mask_token(config: TrainConfig) -> int | str | None:
     return EMBEDDED_MASK_TOKEN
 
 
+def check_dspark_support(config: TrainConfig) -> None:
+    """What a `draft.kind: dspark` run cannot do, refused before any weight is read (the trainer's first step,
+    `prepare_target`, and every draft build, so `dflash train --dry-run` says it too): the reason, then the fix."""
+    d, no = config.dspark, "draft.kind: dspark does not support"
+    problems = [msg for bad, msg in [
+        (d.markov_head_type != "vanilla", f"dspark.markov_head_type {d.markov_head_type!r} is not implemented (only "
+         "vanilla, the paper's default, is; not DeepSpec's gated / rnn heads): set dspark.markov_head_type=vanilla"),
+        (d.ce_alpha + d.l1_alpha <= 0, "dspark.ce_alpha + dspark.l1_alpha must be > 0: otherwise nothing trains the drafts"),
+        (config.draft.loss_decay_gamma != "auto", "draft.kind: dspark decays its loss by dspark.loss_decay_gamma "
+         "(exp(-k / gamma), slot 0 included): leave draft.loss_decay_gamma at auto and set dspark.loss_decay_gamma"),
+        (config.draft.position_weights == "dpace", f"{no} draft.position_weights: dpace (not implemented for its "
+         "three-term loss): use decay or none"),
+        (bool(config.data.features), f"{no} offline features (data.features): its L1 term reads the target's final-norm "
+         "last hidden state, which feature files do not hold; run the target online (data.features=null)"),
+        (config.tensor_parallel.size > 1, f"{no} a tensor-parallel target yet (the last hidden state is not gathered "
+         "there; untested): set tensor_parallel.size: 1"),
+    ] if bad]
+    if config.draft.kind == "dspark" and problems:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
 def draft_config_for(config: TrainConfig, target_config: Any, tokenizer: Any, vocab_rows: int) -> DFlashDraftConfig:
-    """The draft's config from the `draft` (and, for `kind: domino`, `domino`) sections, shaped like the
-    target (`target_config`: its HF config; `vocab_rows`: rows of its embedding table)."""
+    """The draft's config from the `draft` (and, for `kind: domino` / `dflash2` / `dspark`, that kind's)
+    sections, shaped like the target (`target_config`: its HF config; `vocab_rows`: rows of its embedding table)."""
+    check_dspark_support(config)
     ds = config.draft
     mask_id = resolve_mask_token_id(tokenizer, vocab_rows, configured_mask_token(config))
     cfg = DFlashDraftConfig.for_target(
@@ -57,6 +81,8 @@ def draft_config_for(config: TrainConfig, target_config: Any, tokenizer: Any, vo
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DominoHeadConfig.from_settings(config.domino).to_extra()})
     if ds.kind == "dflash2":
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DFlash2HeadConfig.from_settings(config.dflash2).to_extra()})
+    if ds.kind == "dspark":
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DSparkHeadConfig.from_settings(config.dspark).to_extra()})
     return cfg
 
 
@@ -116,6 +142,7 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
     a folder, a hub id or "embedded") each rank builds the model on the meta device and reads only its
     shards; a model passed in is sharded in place. Heads and KV heads are checked against the size
     (`check_tp_support`) before any weight is read. With `data.features` the `offline_target`."""
+    check_dspark_support(config)
     if config.data.features:
         return offline_target(config, target, tokenizer, dtype=dtype)
     size = config.tensor_parallel.size
@@ -193,4 +220,9 @@ def objective_for(config: TrainConfig, target: Target, draft: nn.Module, *, devi
     if ds.kind == "dflash2":
         return DFlash2Objective(target, draft, selector_alpha=config.dflash2.selector_alpha,
                                 selector_gold=config.dflash2.selector_gold, **common)
+    if ds.kind == "dspark":
+        d = config.dspark
+        check_dspark_support(config)
+        return DSparkObjective(target, draft, ce_alpha=d.ce_alpha, l1_alpha=d.l1_alpha, confidence_alpha=d.confidence_alpha,
+                               **{**common, "gamma": d.loss_decay_gamma})
     return DFlashObjective(target, draft, **common)

@@ -17,11 +17,11 @@ UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 
 # name -> width. Sums over the window (and ranks); ratios are formed in `flush`.
 def _layout(block_size: int, variant: str) -> dict[str, int]:
-    slots = block_size - 1
+    slots = block_size if variant == "dspark" else block_size - 1  # DSpark: every slot proposes (anchor-as-first-prediction)
     layout = {
         "loss_sum": 1, "weight_sum": 1,          # loss = sum(w * CE) / sum(w)
         "correct": 1, "scored": 1,               # token accuracy over supervised slots
-        "pos_correct": slots, "pos_scored": slots,  # per-position accuracy, slots 1..bs-1
+        "pos_correct": slots, "pos_scored": slots,  # per-position accuracy, slots 1..bs-1 (DSpark: its bs proposals)
         "accepted": 1, "blocks": 1,              # teacher-forced tau = 1 + accepted / kept blocks
         "anchors_total": 1, "rows_total": 1, "rows_skipped": 1,
         "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1, "micro_batches": 1,
@@ -32,13 +32,16 @@ def _layout(block_size: int, variant: str) -> dict[str, int]:
         layout.update({"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1, "lambda": 1})
     if variant == "dflash2":  # the unary argmax's accuracy / tau, gold-in-top-K count, selector loss
         layout.update({"base_correct": 1, "base_accepted": 1, "candidate_hits": 1, "selector_loss_sum": 1})
+    if variant == "dspark":  # the backbone-only argmax's accuracy / tau, the loss terms, the confidence calibration
+        layout.update({"base_correct": 1, "base_accepted": 1, "objective_sum": 1, "l1_loss_sum": 1,
+                       "confidence_loss_sum": 1, "confidence_sum": 1, "acceptance_sum": 1})
     return layout
 
 
 class Metrics:
     """Device-side metric sums for one log window.
 
-    Shapes: scalar entries take `[]` tensors, `pos_*` take `[bs - 1]`. Values must already be on
+    Shapes: scalar entries take `[]` tensors, `pos_*` take `[bs - 1]` (`[bs]` for "dspark"). Values must already be on
     `device`; adding never syncs.
     """
 
@@ -121,4 +124,13 @@ class Metrics:
             out["candidate_recall"] = ratio(t["candidate_hits"], t["scored"]).item()  # gold among the top-K
             out["selector_accuracy"] = ratio(t["correct"], t["candidate_hits"]).item()  # picked it, where it could
             out["selector_loss"] = ratio(t["selector_loss_sum"], t["weight_sum"]).item()
+        if "acceptance_sum" in t:  # DSpark: accuracy / tau are the Markov-corrected drafts', loss their weighted CE
+            out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
+            out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
+            out["dspark_loss"] = ratio(t["objective_sum"], t["weight_sum"]).item()  # what is minimised: CE, L1, BCE mixed
+            out["l1_loss"] = ratio(t["l1_loss_sum"], t["weight_sum"]).item()  # ||p_draft - p_target||_1 (2 x TV)
+            out["confidence_loss"] = ratio(t["confidence_loss_sum"], t["weight_sum"]).item()  # BCE vs the soft target
+            # calibration: mean predicted confidence vs mean soft acceptance 1 - L1 / 2 over the supervised slots
+            out["mean_confidence"] = ratio(t["confidence_sum"], t["scored"]).item()
+            out["mean_acceptance"] = ratio(t["acceptance_sum"], t["scored"]).item()
         return out

@@ -11,9 +11,9 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
 Variants: regen (the default: the target's regenerated replies), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
 domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
-graph (`cuda_graph: true`), fp8 (`fp8: true`), fixed-width (`draft.anchor_widths=1`: no host-bounded width). Each row also
-gives the training throughput of its last log window, the peak accelerator memory and the number of
-CUDA graphs captured.
+dflash2 and dspark (those draft kinds), graph (`cuda_graph: true`), fp8 (`fp8: true`), fixed-width
+(`draft.anchor_widths=1`: no host-bounded width). Each row also gives the training throughput of its
+last log window, the peak accelerator memory and the number of CUDA graphs captured.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ VARIANTS: dict[str, list[str]] = {
     "domino-ss": ["draft.kind=domino", "domino.scheduled_sampling=0.5"],
     "graph": ["cuda_graph=true"],  # the hot path: every step a CUDA-graph replay (one graph per batch shape)
     "fixed-width": ["draft.anchor_widths=1"],  # every batch at the full anchor width N
+    "dflash2": ["draft.kind=dflash2"],  # DFlash 2: block convolutions and the candidate selector
+    "dspark": ["draft.kind=dspark"],  # DSpark: the Markov and confidence heads, slot k predicts a + k + 1
     "fp8": ["fp8=true"],  # float8 GEMMs in the draft's linear layers (torchao): its quality cost, same steps
 }
 

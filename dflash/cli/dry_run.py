@@ -147,7 +147,8 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "draft_parameters": params,
         "block_size": draft_cfg.block_size,
         "position_weights": ds.position_weights if ds.position_weights != "decay" else
-        f"decay, gamma {decay_gamma(ds.loss_decay_gamma, draft_cfg.block_size)}",
+        (f"decay exp(-k / {config.dspark.loss_decay_gamma}), slot 0 included" if ds.kind == "dspark" else
+         f"decay, gamma {decay_gamma(ds.loss_decay_gamma, draft_cfg.block_size)}"),
         "anchors_per_row": ds.num_anchors,
         "rows_per_step": rows,
         "max_tokens_per_step": rows * config.data.max_length,

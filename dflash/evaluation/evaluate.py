@@ -106,7 +106,7 @@ def format_report(r: dict[str, Any]) -> str:
     checked += f"; teacher-forced chain tau on these outputs {chain:.3f}" if chain is not None else ""
     return (f"tau {r['tau']:.3f} over {r['num_prompts']} prompts ({r['new_tokens']} new tokens, {checked}) | "
             f"speed-up x{r['speedup']:.2f} ({r['speculative_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tok/s)\n"
-            f"per-position acceptance: {per_pos}\nacceptance histogram (1..bs): {r['acceptance_histogram']}")
+            f"per-position acceptance: {per_pos}\nacceptance histogram (1, 2, ...): {r['acceptance_histogram']}")
 
 
 def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int = 64) -> list[dict[str, Any]]:

@@ -25,6 +25,15 @@ layers.{i}.{attention,mlp}_conv.kernel_projection.weight [2*T*H/g, H], candidate
 [r, H], and the raw codebooks candidate_selector.{predecessor,successor}_codebook [V, r] (no `.weight`).
 No embedding and no LM head: every consumer uses the target's.
 
+A DSpark draft is written in DeepSpec's `Qwen3DSparkModel` shape (`dflash.dspark`): `architectures:
+["Qwen3DSparkModel"]`, top-level `markov_rank`, `markov_head_type`, `enable_confidence_head`,
+`confidence_head_with_markov`, `sample_from_anchor: true`, `mask_token_id`, `target_layer_ids` (where DeepSpec
+writes them and SGLang's / vLLM's DSpark parsers read them), plus the usual `dflash_config` with `block_size`
+(SGLang's DFlash parser, under its DSpark one, reads dflash_config first; the values agree); weights
+markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [V, r], confidence_head.proj.weight [1, H + r]
+and .bias [1], and, when exported with the target at hand (`target_model`), DeepSpec's copies of the target's
+embed_tokens.weight and lm_head.weight [V, H] (SGLang skips them, vLLM shares the target's when absent).
+
 Who reads these names (checked against their public source, not run here): the reference DFlash
 code (z-lab/dflash, `dflash/model.py`: a `Qwen3PreTrainedModel` subclass with modules `fc`,
 `hidden_norm`, `norm`, `layers.N.{self_attn,mlp,...}` that reads `dflash_config.target_layer_ids`,
@@ -70,6 +79,16 @@ from dflash.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash.dflash2 import dflash2_weight_names, is_dflash2
 from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
 from dflash.drafts import draft_model_for_config
+from dflash.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash.dspark import (
+    HEAD_KEYS,
+    TARGET_COPY_NAMES,
+    DSparkHeadConfig,
+    dspark_config_fields,
+    dspark_extra_from_json,
+    dspark_weight_names,
+    is_dspark,
+)
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.run.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
 from dflash.target.frozen import hf_model_of
@@ -85,11 +104,13 @@ _DFLASH_CORE_KEYS = ("mask_token_id", "target_layer_ids")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def expected_weight_names(num_layers: int, *, domino: bool = False, dflash2: bool = False) -> set[str]:
-    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (+ the Domino head, or DFlash 2's
-    convs and selector)."""
+def expected_weight_names(num_layers: int, *, domino: bool = False, dflash2: bool = False,
+                          dspark: DSparkHeadConfig | None = None) -> set[str]:
+    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (+ the Domino head, DFlash 2's
+    convs and selector, or the DSpark heads of `dspark`)."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | (DOMINO_WEIGHT_NAMES if domino else set())
     names |= dflash2_weight_names(num_layers) if dflash2 else set()
+    names |= dspark_weight_names(dspark) if dspark is not None else set()
     per_layer = [
         "input_layernorm.weight", "post_attention_layernorm.weight",
         *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -112,11 +133,12 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
     clash = reserved & set(cfg.extra)
     if clash:
         raise ValueError(f"draft.config.extra must not redefine {sorted(clash)} (they come from the config fields)")
-    dflash2 = is_dflash2(cfg)
+    dflash2, dspark = is_dflash2(cfg), is_dspark(cfg)
     # DFlash 2 readers take block_size from dflash_config; vLLM lets top-level is_causal decide in-block causality
-    variant = {"is_causal": False} if dflash2 else {}
+    variant = {"is_causal": False} if dflash2 else dspark_config_fields(cfg) if dspark else {}
+    architecture = DFLASH2_ARCHITECTURE if dflash2 else DSPARK_ARCHITECTURE if dspark else "DFlashDraftModel"
     return {
-        "architectures": [DFLASH2_ARCHITECTURE if dflash2 else "DFlashDraftModel"],
+        "architectures": [architecture],
         **variant,
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -148,8 +170,9 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
-            **cfg.extra,
-            **({"block_size": cfg.block_size} if dflash2 else {}),
+            # DSpark's head keys sit at the top level (DeepSpec, SGLang, vLLM); what else a read-back export kept stays
+            **{k: v for k, v in cfg.extra.items() if not (dspark and k in HEAD_KEYS)},
+            **({"block_size": cfg.block_size} if dflash2 or dspark else {}),
             **({"target": target} if target else {}),
             **({"held_out_split": held_out} if held_out else {}),
         },
@@ -157,10 +180,21 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
 
 
 def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-                 target: str | None = None, held_out: dict[str, Any] | None = None) -> Path:
+                 target: str | None = None, held_out: dict[str, Any] | None = None,
+                 target_model: nn.Module | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (weights cast to `dtype`, bf16 by default); `target`:
-    the target the draft was trained for, `held_out`: its run's held-out split (`export_config`)."""
-    return export_state(draft.config, draft.state_dict(), out_dir, dtype=dtype, target=target, held_out=held_out,
+    the target the draft was trained for, `held_out`: its run's held-out split (`export_config`);
+    `target_model` (an HF causal LM or a `FrozenTarget`; DSpark drafts only): also write DeepSpec's copies of
+    its embedding and LM head."""
+    weights = draft.state_dict()
+    if target_model is not None:
+        if not is_dspark(draft.config):
+            raise ValueError("target_model is for DSpark exports (DeepSpec's layout copies the target's embedding "
+                             "and LM head); a DFlash, Domino or DFlash 2 export holds the draft's own weights only")
+        model = hf_model_of(target_model)
+        weights |= dict(zip(TARGET_COPY_NAMES, (model.get_input_embeddings().weight,
+                                                model.get_output_embeddings().weight), strict=True))
+    return export_state(draft.config, weights, out_dir, dtype=dtype, target=target, held_out=held_out,
                         domino=isinstance(draft, DominoDraftModel))
 
 
@@ -171,7 +205,10 @@ def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_d
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
     state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in weights.items()}
-    expected = expected_weight_names(cfg.num_hidden_layers, domino=domino, dflash2=is_dflash2(cfg))
+    dspark = DSparkHeadConfig.from_draft_config(cfg) if is_dspark(cfg) else None
+    expected = expected_weight_names(cfg.num_hidden_layers, domino=domino, dflash2=is_dflash2(cfg), dspark=dspark)
+    if dspark is not None and set(TARGET_COPY_NAMES) <= set(state):  # DeepSpec's optional copies of the target's
+        expected |= set(TARGET_COPY_NAMES)
     missing = sorted(expected - set(state))
     extra = sorted(set(state) - expected)
     if missing or extra:  # the trainer's names must be the published ones: never write a wrong file
@@ -247,6 +284,9 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
     another activation) instead of loading it into a model that would compute something else.
     """
     dflash = dict(data.get("dflash_config") or {})
+    dspark = dspark_extra_from_json(data)  # {} unless a DSpark config
+    if dspark:  # DeepSpec's shape has no dflash_config: its mask token and layer ids sit at the top level
+        dflash = {**{k: data[k] for k in _DFLASH_CORE_KEYS if k in data}, **dflash}
     missing = [k for k in _DFLASH_CORE_KEYS if k not in dflash] + [
         k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in data]
     if missing:
@@ -264,7 +304,7 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
     heads = data.get("num_attention_heads", 8)
     n_layers = data["num_hidden_layers"]
     block_size = data.get("block_size", dflash.get("block_size", 16))
-    extra = {k: v for k, v in dflash.items() if k not in _DFLASH_CORE_KEYS and k != "block_size"}
+    extra = {k: v for k, v in dflash.items() if k not in _DFLASH_CORE_KEYS and k != "block_size"} | dspark
     return DFlashDraftConfig(
         hidden_size=data["hidden_size"],
         vocab_size=data["vocab_size"],
@@ -318,6 +358,8 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
     try:
         with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
             names = set(f.keys())
+            # a DSpark export may hold copies of the target's embedding and LM head (DeepSpec's): not the draft's
+            names -= set(TARGET_COPY_NAMES) if is_dspark(cfg) else set()
             missing, unexpected = sorted(set(wanted) - names), sorted(names - set(wanted))
             if not (missing or unexpected):
                 state = {name: f.get_tensor(name) for name in names}

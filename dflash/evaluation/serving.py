@@ -13,6 +13,9 @@ Domino (`dflash_config.projector_type: domino`): vLLM's DFlash loader has no Dom
 the extra tensors (`AutoWeightsLoader`: "no module or parameter named"): no vLLM command. SGLang builds
 with `speculative/domino_utils.py` read the head (strict `prefix_gru.*` / `embed_proj.*` loading, bf16,
 `pure_draft_prefix_len` 1); older ones skip unknown tensor names and would serve the backbone alone.
+
+DFlash 2 and DSpark exports get no command: their loaders (SGLang `DFlash2DraftModel` / `models/dspark.py`, vLLM
+`qwen3_dflash2.py` / `qwen3_dspark.py`) were not checked here, so `dflash export` prints a note instead.
 """
 
 from __future__ import annotations
@@ -150,6 +153,12 @@ def is_dflash2_config(config: dict[str, Any]) -> bool:
     return "DFlash2DraftModel" in (config.get("architectures") or [])
 
 
+def is_dspark_config(config: dict[str, Any]) -> bool:
+    """A DSpark export (`architectures: ["Qwen3DSparkModel"]`, DeepSpec's shape): its loaders (SGLang's
+    `models/dspark.py`, vLLM's `qwen3_dspark.py`) were not checked for this table, so no command is given."""
+    return "Qwen3DSparkModel" in (config.get("architectures") or [])
+
+
 def check_serving_fields(export_dir: str | Path) -> list[str]:
     """Every way the export's config.json differs from what the engines' loaders read (empty: none)."""
     folder, config = _read(export_dir)
@@ -220,7 +229,7 @@ def serving_commands(export_dir: str | Path) -> dict[str, str]:
     """Engine -> a one-line launch command serving the export with its target; an engine that cannot serve
     the export faithfully (vLLM for a Domino draft) has no entry. The target is `dflash_config.target`."""
     folder, config = _read(export_dir)
-    if is_dflash2_config(config):
+    if is_dflash2_config(config) or is_dspark_config(config):
         return {}
     target, _ = _target(config)
     block = config.get("block_size")
@@ -246,6 +255,11 @@ def format_serving(export_dir: str | Path) -> str:
         return ("Serving (block_size {}): a DFlash 2 draft. Its launch lines are not checked against the engines' "
                 "DFlash 2 loaders yet (SGLang DFlash2DraftModel, vLLM qwen3_dflash2.py); vLLM's "
                 "num_speculative_tokens would be block_size - 1.".format(config.get("block_size")))
+    if is_dspark_config(config):
+        return ("Serving (block_size {}): a DSpark draft (DeepSpec's Qwen3DSparkModel shape). Its launch lines are not "
+                "checked against the engines' DSpark loaders yet (SGLang models/dspark.py, vLLM qwen3_dspark.py); every "
+                "slot proposes, so one block verifies block_size drafts (SGLang's dspark_config.py: "
+                "speculative_num_draft_tokens = block_size + 1).".format(config.get("block_size")))
     commands = serving_commands(export_dir)
     lines = ["Serve it (block_size {}):".format(config.get("block_size"))]
     for engine, (name, checked) in ENGINES.items():

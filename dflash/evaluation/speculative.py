@@ -1,11 +1,13 @@
-"""Greedy speculative decoding with a DFlash or Domino draft (batch 1): generation, the lossless check, and τ.
+"""Greedy speculative decoding with a DFlash, Domino, DFlash 2 or DSpark draft (batch 1): generation, the lossless
+check, and τ.
 
 One decode step, with `start` the position of the last emitted token `t` (not yet seen by the target):
 
     draft   block = [t, mask x (bs-1)] at positions start..start+bs-1, attending to the draft's
             cached context K/V (target features of every position < start) and to its own block
             -> draft tokens d_1..d_{bs-1} = argmax(draft_hidden[slots 1..] @ lm_head^T)
-            (Domino: the correction head then runs causally over d_1.., `dflash.domino.domino_propose`)
+            (Domino: the correction head then runs causally over d_1.., `dflash.domino.domino_propose`;
+            DSpark: every slot k proposes the token at start+k+1, d_1..d_bs by the Markov walk, `dspark_propose`)
     target  one forward over [t, d_1..d_{v-1}] (v = min(bs, tokens still allowed)) with its KV cache
             -> greedy g_0..g_{v-1};  a = longest prefix with d_k == g_{k-1}
     emit    d_1..d_a and the bonus g_a (a + 1 tokens; cut after a stop token)
@@ -30,8 +32,8 @@ Definitions (all host-side, over the decode phase; the prefill's first token is 
     acceptance length of a target forward = tokens it emitted = accepted drafts + 1, cut at a stop
         token or the `max_new_tokens` budget (the final block verifies only what the budget allows)
     τ = Σ acceptance lengths / number of target forwards = (new tokens - 1) / target forwards
-    per-position acceptance rate k (k = 1..bs-1) = fraction of target forwards that verified draft
-        slot k in which slot k was accepted (the whole prefix 1..k matched): unconditional on k-1
+    per-position acceptance rate k (k = 1..P, P = bs-1 proposals, DSpark's bs) = fraction of target forwards
+        that verified proposal k in which it was accepted (the whole prefix 1..k matched): unconditional on k-1
 
 Evaluation reads a token count to the host after every target forward and synchronizes around its
 timers: it is a sync point by design, like the log flush and checkpoints, and never runs inside a
@@ -52,6 +54,7 @@ from torch import nn
 
 from dflash.dflash2 import DFlash2DraftModel, dflash2_propose
 from dflash.domino import DominoDraftModel, domino_propose
+from dflash.dspark import DSparkDraftModel, dspark_propose
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftModel, cache_kwarg
 from dflash.report.console import progress
@@ -162,14 +165,21 @@ class DraftContextCache:
         return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self.keys, self.values, strict=True)]
 
 
+def proposals_per_block(draft: DFlashDraftModel, block_size: int) -> int:
+    """Draft tokens one block proposes: block_size for DSpark (slot k proposes the token after the one at slot k,
+    slot 0 included), block_size - 1 otherwise (slot 0 holds the verified token and proposes nothing)."""
+    return block_size if isinstance(draft, DSparkDraftModel) else block_size - 1
+
+
 def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, context: DraftContextCache,
                          first_token: torch.Tensor, start: int, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """Greedy draft tokens `[1, block_size - 1]` for the block starting at position `start`.
+    """Greedy draft tokens `[1, proposals_per_block]` for the block starting at position `start`.
 
     `first_token` `[1, 1]` is slot 0 (the last emitted token); the other slots are the mask token.
     The draft sees every context position (all are < start) and its whole block, so no mask is needed.
     A Domino draft's tokens come from its causal correction head (`domino_propose`), a DFlash 2 draft's from its
-    selector's greedy walk over the top-K candidates (`dflash2_propose`).
+    selector's greedy walk over the top-K candidates (`dflash2_propose`), a DSpark draft's from its Markov walk over
+    every slot (`dspark_propose`; its confidence head never changes them, and all of them are verified).
     """
     device = first_token.device
     ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
@@ -184,6 +194,8 @@ def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, conte
         return domino_propose(draft, hidden, first_token, embed, head)
     if isinstance(draft, DFlash2DraftModel):
         return dflash2_propose(draft, hidden, first_token, head)
+    if isinstance(draft, DSparkDraftModel):
+        return dspark_propose(draft, hidden, first_token, head)
     return head_logits(hidden[:, 1:], head).argmax(-1)
 
 
@@ -231,6 +243,7 @@ def speculative_generate(
     if isinstance(draft, DFlash2DraftModel) and bs != cfg.block_size:  # its convs run over blocks of its own size
         raise ValueError(f"a DFlash 2 draft decodes blocks of its block_size {cfg.block_size}, not {bs}")
     mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    width = proposals_per_block(draft, bs) + 1  # tokens one verification forward checks: the last emitted + proposals
     stops = set(stop_token_ids or ())
     device = model.get_input_embeddings().weight.device
     ids = _prompt_tensor(input_ids, device)
@@ -246,12 +259,12 @@ def speculative_generate(
             logits, cache = _target_forward(model, ids, None, last_only=True)
             token = int(logits[0, -1].argmax())
             result.output_ids.append(token)
-            context = DraftContextCache(draft, capacity=prompt_len + max_new_tokens + bs)
+            context = DraftContextCache(draft, capacity=prompt_len + max_new_tokens + width)
             context.append(captured.features())  # prompt positions 0..P-1
             start = prompt_len  # position of `token`, slot 0 of the next block
 
             while len(result.output_ids) < max_new_tokens and token not in stops:
-                verify = min(bs, max_new_tokens - len(result.output_ids))  # slots the target checks
+                verify = min(width, max_new_tokens - len(result.output_ids))  # slots the target checks
                 token_t = torch.tensor([[token]], device=device)
                 if verify > 1:
                     drafts = propose_draft_tokens(draft, model, context, token_t, start, bs, mask_id)[:, : verify - 1]
@@ -341,10 +354,11 @@ def near_tie(target_model: nn.Module, prompt: Sequence[int], expected: list[int]
 
 
 def acceptance_stats(results: Sequence[SpecResult], block_size: int) -> dict[str, Any]:
-    """τ, the acceptance-length histogram and per-position acceptance rates over many generations."""
+    """τ, the acceptance-length histogram and per-position acceptance rates over many generations; `block_size`:
+    the verification width (the proposals per block + 1: a DSpark block of bs verifies bs + 1 tokens)."""
     lengths = [n for r in results for n in r.acceptance_lengths]
     forwards = sum(r.num_target_forwards for r in results)
-    histogram = [0] * (block_size + 1)  # histogram[n] = forwards that emitted n tokens (n = 1..bs)
+    histogram = [0] * (block_size + 1)  # histogram[n] = forwards that emitted n tokens (n = 1..width)
     for n in lengths:
         histogram[n] += 1
     pairs = [(a, v) for r in results for a, v in zip(r.accepted_drafts, r.verified_drafts, strict=True)]
@@ -407,7 +421,7 @@ def evaluate_speculative(
     spec_tps = new_tokens / spec_time if spec_time > 0 else float("nan")
     base_tps = new_tokens / base_time if base_time > 0 else float("nan")
     report = {
-        **acceptance_stats(spec_results, bs),
+        **acceptance_stats(spec_results, proposals_per_block(draft, bs) + 1),
         "block_size": bs,
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,

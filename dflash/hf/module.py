@@ -107,9 +107,10 @@ class DFlashTrainingModule(nn.Module):
             raise ValueError("data.features (offline target features) is supported by `dflash train` / DFlashTrainer, "
                              "not by the transformers.Trainer path: set data.features=null here, or train with "
                              "`dflash train data.features=...`")
-        if config.draft.kind == "dflash2":  # not tested there: its export at each save and its metrics layout
-            raise ValueError("draft.kind: dflash2 is supported by `dflash train` / DFlashTrainer, not yet by the "
-                             "transformers.Trainer path (untested there): train it with `dflash train draft.kind=dflash2`")
+        if config.draft.kind in ("dflash2", "dspark"):  # not tested there: its export at each save and its metrics layout
+            kind = config.draft.kind
+            raise ValueError(f"draft.kind: {kind} is supported by `dflash train` / DFlashTrainer, not yet by the "
+                             f"transformers.Trainer path (untested there): train it with `dflash train draft.kind={kind}`")
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
         module = cls(objective, seed=config.seed)

@@ -46,7 +46,7 @@ log = logging.getLogger("dflash")
 # reporting, compile, distributed mode) does not change what a step computes. `tensor_parallel.size` is
 # run-defining (the sharded target sums its matmuls in another order); `tensor_parallel.overlap` is not (the
 # overlapped schedule computes the same features as the unsplit one, tests/test_tensor_parallel.py).
-RUN_DEFINING = ("target", "draft.", "domino.", "dflash2.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
+RUN_DEFINING = ("target", "draft.", "domino.", "dflash2.", "dspark.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
                 "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
                 "data.bucket_multiple", "data.labels", "data.regenerate", "tensor_parallel.size")
 NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes

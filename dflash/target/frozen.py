@@ -192,7 +192,7 @@ class FrozenTarget(SharedHead, nn.Module):
         self.num_layers = self.text_config.num_hidden_layers
         self.layer_ids = checked_layer_ids(layer_ids, self.num_layers)
         self._trunk = _truncated_decoder(model.get_decoder(), max(self.layer_ids) + 1)
-        self._full: nn.Module | None = None  # all layers, built on first use of features_and_greedy
+        self._full: nn.Module | None = None  # all layers, built on first use of features_and_last_hidden
         # The full decoder shares the trunk's layer modules, so these hooks fire in both.
         self._capture = LayerCapture(self._trunk.layers, self.layer_ids)
 
@@ -210,16 +210,23 @@ class FrozenTarget(SharedHead, nn.Module):
         return self._capture.features()
 
     @torch.no_grad()
+    def features_and_last_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features `[B, S, K*H]` and the final-normed last hidden state `[B, S, H]` from one run of every
+        layer (the same hooks give the features). DSpark's L1 term and `data.labels: target` read it."""
+        if self._full is None:
+            self._full = _truncated_decoder(self.model.get_decoder(), self.num_layers)
+        last = self._full(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self._capture.features(), last
+
+    @torch.no_grad()
     def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and the target's own greedy next-token labels `[B, S]` (for `data.labels: target`).
 
         `labels[:, p]` = argmax of the target's logits at p - 1 (position 0 keeps its token). Runs all
         layers and the LM head, in sequence chunks so `[B, S, V]` logits never exist at once.
         """
-        if self._full is None:
-            self._full = _truncated_decoder(self.model.get_decoder(), self.num_layers)
-        last = self._full(input_ids=input_ids, use_cache=False).last_hidden_state  # final-normed
-        return self._capture.features(), greedy_labels(input_ids, last, self.lm_head_weight, chunk)
+        features, last = self.features_and_last_hidden(input_ids)
+        return features, greedy_labels(input_ids, last, self.lm_head_weight, chunk)
 
     features = forward
 
