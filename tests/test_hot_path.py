@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_VOCAB, make_tiny_target, random_batch, tiny_config
+from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_widths, bounded_width, valid_anchor_mask
 from dflash.data.loader import Collator
 from dflash.diagnostics import forbid_syncs
@@ -22,6 +22,8 @@ from dflash.trainer import DFlashTrainer
 N = 8  # tiny_config's num_anchors
 DOMINO = {"draft__kind": "domino", "domino__gru_hidden_dim": 32, "domino__emb_dim": 16,
           "domino__scheduled_sampling": 0.5}
+HEADS = {"dflash": {}, "domino": DOMINO, "dflash2": DFLASH2_HEAD,
+         "dspark": {"draft__kind": "dspark", "dspark__markov_rank": 8}}  # small heads of every draft kind
 
 
 def _mask(valid_per_row: list[int], seq: int = 32) -> torch.Tensor:
@@ -49,10 +51,9 @@ def _plan_forward_backward(objective, ids, mask, width):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("kind", ["dflash", "domino"])
+@pytest.mark.parametrize("kind", sorted(HEADS))
 def test_bounded_width_keeps_the_fixed_width_anchors_losses_and_gradients(kind, case):
-    overrides = DOMINO if kind == "domino" else {}
-    objective = build_objective(tiny_config(**overrides), make_tiny_target(), None, device=torch.device("cpu"),
+    objective = build_objective(tiny_config(**HEADS[kind]), make_tiny_target(), None, device=torch.device("cpu"),
                                 dtype=torch.float32)
     mask = _mask(CASES[case])
     ids = torch.randint(0, TINY_VOCAB - 1, mask.shape, generator=torch.Generator().manual_seed(3))
@@ -90,6 +91,23 @@ def test_trainer_steps_with_bounded_widths_equal_fixed_width_steps():
     assert m_b["anchors_kept"] > m_f["anchors_kept"]  # the same kept blocks among fewer slots
     for key in ("loss", "accuracy", "tau", "grad_norm", "empty_windows"):
         assert m_b[key] == pytest.approx(m_f[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_steps_at_a_host_bounded_width_make_no_sync(kind):
+    """The collator's width (`num_anchors` < N) changes the plan's shapes, not the step's sync-freedom."""
+    trainer = DFlashTrainer(tiny_config(**HEADS[kind], optim__grad_accum=2), target=make_tiny_target())
+    batch = {**random_batch(batch=4), "num_anchors": 4}
+    trainer.train_step(batch)  # the first step of a shape may build caches; the region starts after it
+    trainer.metrics.flush()
+    with forbid_syncs(raise_on_first=False) as report:
+        for _ in range(2):
+            trainer.train_step(batch)
+    assert report.findings == [], report
+    bounded = trainer.metrics.flush()["supervised_tokens"] / 2  # per step
+    full = DFlashTrainer(tiny_config(**HEADS[kind], optim__grad_accum=2), target=make_tiny_target())
+    full.train_step(random_batch(batch=4))
+    assert bounded < 0.6 * full.metrics.flush()["supervised_tokens"]  # 4 of the 8 anchors were planned
 
 
 def test_collator_names_the_width_and_counts_its_shapes():
