@@ -1,5 +1,6 @@
 """Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo), and
-by tests/test_dflash2_distributed.py under `torch.distributed.run --nproc_per_node 2` (`dflash2`).
+by tests/test_dflash2_distributed.py and tests/test_dspark_distributed.py under `torch.distributed.run
+--nproc_per_node 2` (`dflash2`, `dspark`).
 
     python tests/dist_worker.py OUT            DDP: one step on each rank's half of a fixed batch with
                                                fixed anchors (the optimizer update held back so the
@@ -11,11 +12,14 @@ by tests/test_dflash2_distributed.py under `torch.distributed.run --nproc_per_no
                                                weights and the reduce-scatters issued; then a step with
                                                a non-finite loss (must be skipped) and a step inside
                                                forbid_syncs().
-    python tests/dist_worker.py OUT dflash2    `draft.kind: dflash2`, under DDP then FSDP2, for each
-                                               `dflash2.selector_gold`: two full steps on each rank's half
-                                               of a batch whose rank-0 rows are nearly unsupervised (the
-                                               gradients before each update, the updated weights, the
-                                               metrics), then a step inside forbid_syncs().
+    python tests/dist_worker.py OUT dflash2    `draft.kind: dflash2` (tests/test_dflash2_distributed.py), under
+                                               DDP then FSDP2, for each `dflash2.selector_gold`: two full
+                                               steps on each rank's half of a batch whose rank-0 rows are
+                                               nearly unsupervised (the gradients before each update, the
+                                               updated weights, the metrics), then a step inside
+                                               forbid_syncs().
+    python tests/dist_worker.py OUT dspark     `draft.kind: dspark` (tests/test_dspark_distributed.py): the same,
+                                               with both DSpark heads (Markov head of rank 8).
 
 Rank 0 writes everything to OUT.
 """
@@ -23,10 +27,13 @@ Rank 0 writes everything to OUT.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -162,29 +169,48 @@ def main_fsdp2(out: Path) -> None:
     dist.barrier()
 
 
-# DFlash 2: every (distributed mode, selector gold) pair; 2 micro-batches per step, clipping active.
-DFLASH2_RUNS = [(mode, gold) for mode in ("ddp", "fsdp2") for gold in ("strict", "insert")]
-DFLASH2_STEPS = 2
+# Draft kinds with heads of their own (`draft.kind`), each under DDP then FSDP2, 2 micro-batches per step, clipping
+# active: the config keys of each variant of a kind. DFlash 2: both selector golds; DSpark: both heads, rank 8.
+HEAD_VARIANTS = {
+    "dflash2": {gold: {**DFLASH2_HEAD, "dflash2__selector_gold": gold} for gold in ("strict", "insert")},
+    "dspark": {"vanilla": {"draft__kind": "dspark", "dspark__markov_rank": 8}},
+}
+HEAD_STEPS = 2
+# Where the objectives draw their anchors (DSpark's `plan` calls its own module's `sample_anchors`).
+ANCHOR_SAMPLERS = ("dflash.objective", "dflash.dspark_objective")
 
 
-def dflash2_config(mode: str, gold: str):
-    return tiny_config(**DFLASH2_HEAD, dflash2__selector_gold=gold, distributed=mode, optim__grad_accum=2,
-                       optim__max_grad_norm=1.0)
+def head_runs(kind: str) -> list[tuple[str, str]]:
+    """Every (distributed mode, variant) pair of `kind`."""
+    return [(mode, variant) for mode in ("ddp", "fsdp2") for variant in HEAD_VARIANTS[kind]]
 
 
-def dflash2_plan():
+DFLASH2_RUNS, DSPARK_RUNS = head_runs("dflash2"), head_runs("dspark")
+
+
+def head_config(kind: str, mode: str, variant: str):
+    return tiny_config(**HEAD_VARIANTS[kind][variant], distributed=mode, optim__grad_accum=2, optim__max_grad_norm=1.0)
+
+
+def uneven_plan():
     """The 4-row batch and its anchors: rows 0-1 (rank 0's) supervise 3 tokens, so they keep 2 anchors each
-    against 8 in rows 2-3: the window's global weight sum, not a rank's, must divide both losses."""
+    against 8 in rows 2-3: the window's global weight sum, not a rank's, must divide every loss term."""
     batch = random_batch(batch=4, seed=1)
     batch["loss_mask"][:2, 7:] = False
     anchors, keep = sample_anchors(batch["loss_mask"], 8, generator=torch.Generator().manual_seed(0))
     return batch, anchors, keep
 
 
-def dflash2_trainer(mode: str, gold: str) -> DFlashTrainer:
-    """A DFlash 2 trainer whose draft has every weight non-trivial, alike in every process (a fresh draft's
-    successor codebook is 0: the selector's other weights would get no gradient in the first step)."""
-    config, target = dflash2_config(mode, gold), make_tiny_target()
+def use_anchors(sample, setattr_=setattr) -> None:
+    """Make every objective draw its anchors with `sample` (`setattr_`: a test's `monkeypatch.setattr`)."""
+    for module in ANCHOR_SAMPLERS:
+        setattr_(importlib.import_module(module), "sample_anchors", sample)
+
+
+def head_trainer(kind: str, mode: str, variant: str) -> DFlashTrainer:
+    """A trainer of `kind` whose draft has every weight non-trivial, alike in every process (a fresh DFlash 2
+    draft's successor codebook is 0: the selector's other weights would get no gradient in the first step)."""
+    config, target = head_config(kind, mode, variant), make_tiny_target()
     torch.manual_seed(config.seed)
     draft = build_draft(config, target, None)
     with torch.no_grad():
@@ -197,8 +223,8 @@ def copied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in state.items()}  # a CPU state dict may share the parameters' storage
 
 
-def dflash2_steps(trainer: DFlashTrainer, batch: dict[str, torch.Tensor]) -> dict:
-    """DFLASH2_STEPS steps on `batch`: the whole gradients each update applies, the weights before and after
+def head_steps(trainer: DFlashTrainer, batch: dict[str, torch.Tensor]) -> dict:
+    """HEAD_STEPS steps on `batch`: the whole gradients each update applies, the weights before and after
     (both collectives under FSDP2: call on every rank) and the metrics."""
     init, grads, real_step = copied(trainer.draft_state_dict()), [], trainer.optimizer.step
 
@@ -208,30 +234,60 @@ def dflash2_steps(trainer: DFlashTrainer, batch: dict[str, torch.Tensor]) -> dic
         real_step()
 
     trainer.optimizer.step = recording_step
-    for _ in range(DFLASH2_STEPS):
+    for _ in range(HEAD_STEPS):
         trainer.train_step(batch)
     trainer.optimizer.step = real_step
     return {"init": init, "grads": grads, "updated": copied(trainer.draft_state_dict()), "metrics": trainer.metrics.flush()}
 
 
-def main_dflash2(out: Path) -> None:
-    import dflash.objective as objective
+def launch_two_ranks(kind: str, out: Path) -> dict:
+    """The test side: this file's `kind` branch on 2 ranks (`torch.distributed.run`, CPU, gloo); rank 0's results."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out), kind]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(out)
 
-    batch, anchors, keep = dflash2_plan()
+
+def assert_two_ranks_equal_one(two: dict, one: dict, metrics: tuple[str, ...]) -> None:
+    """The test side: `head_steps` on two ranks (`two`, from rank 0) equals it in one process on the concatenated
+    batch (`one`): the same start, every weight's gradient before each update (each one nonzero), the weights
+    after the updates (each one moved) and the window's `metrics`."""
+    for name, p in one["init"].items():
+        assert torch.equal(two["init"][name], p), f"{name}: the ranks did not start from the same weights"
+    assert len(two["grads"]) == len(one["grads"]) == HEAD_STEPS
+    for step, (ranked, single) in enumerate(zip(two["grads"], one["grads"], strict=True)):
+        assert ranked.keys() == single.keys()
+        for name, g in single.items():
+            top = g.abs().max()
+            assert top > 0, f"step {step}: {name} got no gradient"
+            # fp32 sums in another order, amplified by AdamW's first update (nearly sign(g) where g is ~0)
+            torch.testing.assert_close(ranked[name], g, rtol=1e-4, atol=1e-5 * top.item(),
+                                       msg=lambda m, at=f"step {step}: {name}": f"{at}: {m}")
+    for name, p in one["updated"].items():
+        assert not torch.equal(p, one["init"][name]), f"{name} was not updated"
+        torch.testing.assert_close(two["updated"][name], p, rtol=1e-4, atol=1e-5, msg=lambda m, at=name: f"{at}: {m}")
+    for key in metrics:
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    assert one["metrics"]["grad_norm"] > 1.0  # clipping (max_grad_norm 1) was active
+
+
+def main_heads(out: Path, kind: str) -> None:
+    """Every run of `kind` (`head_runs`) on each rank's half of `uneven_plan`, then a step inside forbid_syncs()."""
+    batch, anchors, keep = uneven_plan()
     results = {}
-    for mode, gold in DFLASH2_RUNS:
-        trainer = dflash2_trainer(mode, gold)
+    for mode, variant in head_runs(kind):
+        trainer = head_trainer(kind, mode, variant)
         rank = trainer.rank
         assert trainer.world_size == 2 and trainer.fsdp == (mode == "fsdp2"), (trainer.world_size, trainer.fsdp)
         mine = {k: v[2 * rank: 2 * rank + 2] for k, v in batch.items()}
-        objective.sample_anchors = fixed_anchors(anchors, keep, range(2 * rank, 2 * rank + 2))
-        record = dflash2_steps(trainer, mine)
+        use_anchors(fixed_anchors(anchors, keep, range(2 * rank, 2 * rank + 2)))
+        record = head_steps(trainer, mine)
         with forbid_syncs(raise_on_first=False) as report:  # invariant 1: a non-log step reads nothing back
             trainer.train_step(mine)
         trainer.metrics.flush()
         findings = [None, None]
         dist.all_gather_object(findings, [str(f) for f in report.findings])
-        results[mode, gold] = {**record, "sync_findings": findings}
+        results[mode, variant] = {**record, "sync_findings": findings}
         del trainer
     if dist.get_rank() == 0:
         torch.save(results, out)
@@ -241,8 +297,8 @@ def main_dflash2(out: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[2:] == ["fsdp2"]:
         main_fsdp2(Path(sys.argv[1]))
-    elif sys.argv[2:] == ["dflash2"]:
-        main_dflash2(Path(sys.argv[1]))
+    elif len(sys.argv) == 3 and sys.argv[2] in HEAD_VARIANTS:
+        main_heads(Path(sys.argv[1]), sys.argv[2])
     else:  # DDP, with the position weights named after the output path (default: decay)
         main_ddp(Path(sys.argv[1]), *sys.argv[2:])
     shutdown_distributed()  # the trainers are gone: their DDP reducers before the group, not at exit (SIGABRT)
