@@ -90,8 +90,10 @@ def dspark_weight_names(head: DSparkHeadConfig) -> set[str]:
 
 
 def dspark_config_fields(cfg: DFlashDraftConfig) -> dict[str, Any]:
-    """The top-level keys of a DSpark config.json beyond the DFlash ones (DeepSpec's `build_draft_config`): the head
-    keys, the layout flag vLLM reads, and the mask token / layer ids at the top level as DeepSpec writes them."""
+    """The top-level keys of a DSpark config.json beyond the DFlash ones (DeepSpec's `build_draft_config`): the
+    head keys, the layout flag (speculators read `sample_from_anchor`; vLLM's qwen3_dspark.py @47bd6d7c reads
+    `dspark_bonus_anchor` instead, absent here: the same layout), and the mask token / layer ids at the top
+    level as DeepSpec writes them."""
     return {**DSparkHeadConfig.from_draft_config(cfg).to_extra(), "sample_from_anchor": True,
             "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
 

@@ -1,4 +1,5 @@
-"""Serving an export (dflash.evaluation.serving): the fields vLLM and SGLang read, planted mismatches, the commands."""
+"""Serving an export (dflash.evaluation.serving): the fields vLLM and SGLang read, planted mismatches, the commands;
+for DFlash, Domino, DFlash 2 and DSpark drafts."""
 
 from __future__ import annotations
 
@@ -9,22 +10,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from conftest import TINY_MASK_ID, make_tiny_target
+from conftest import DFLASH2_HEAD, TINY_MASK_ID, make_tiny_target, tiny_config
 from dflash.cli.main import main
+from dflash.dflash2 import DFlash2HeadConfig
 from dflash.domino import DominoDraftModel, DominoHeadConfig
-from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, export_draft
+from dflash.dspark import DSparkHeadConfig
+from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, WEIGHTS_NAME, export_draft
 from dflash.evaluation.serving import (
+    DFLASH2,
+    DOMINO,
+    DSPARK,
     ENGINES,
+    FAMILY_ENGINES,
     SERVING_FIELDS,
     SGLANG,
     SILENT_DEFAULTS,
     VLLM,
     check_serving_fields,
+    draft_kind,
     format_serving,
+    num_draft_tokens,
+    num_speculative_tokens,
     serving_commands,
 )
+from dflash.factory import build_draft
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.target.frozen import FrozenTarget
 
@@ -48,10 +59,23 @@ def _export(target, folder: Path, *, block_size: int = 16, domino: bool = False,
     return export_draft(_draft(target, block_size, domino), folder, target=trained_on)
 
 
+FAMILY = {DFLASH2: DFLASH2_HEAD, DSPARK: {"draft__kind": "dspark", "dspark__markov_rank": 8}}  # blocks of 4
+
+
+def _family_export(target, kind: str, folder: Path, *, with_target_copies: bool = True) -> Path:
+    """A tiny DFlash 2 or DSpark draft (tests/test_dflash2.py, tests/test_dspark.py), exported; a DSpark one with
+    DeepSpec's copies of the target's embedding and LM head unless `with_target_copies` is false."""
+    torch.manual_seed(0)
+    draft = build_draft(tiny_config(**FAMILY[kind]), target, None)
+    copies = target if kind == DSPARK and with_target_copies else None
+    return export_draft(draft, folder, target=HUB_TARGET, target_model=copies)
+
+
 @pytest.fixture(scope="module")
 def exports(target, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("serving")
-    return {kind: _export(target, root / kind, domino=kind == "domino") for kind in ("dflash", "domino")}
+    return {**{kind: _export(target, root / kind, domino=kind == "domino") for kind in ("dflash", "domino")},
+            **{kind: _family_export(target, kind, root / kind) for kind in FAMILY}}
 
 
 def _get(config: dict, path: str):
@@ -69,7 +93,7 @@ def test_export_carries_every_field_the_engines_read(exports, kind):
     config = json.loads((folder / CONFIG_NAME).read_text())
     assert check_serving_fields(folder) == []
     for field in SERVING_FIELDS:
-        if field.domino and kind != "domino":
+        if kind not in field.kinds:
             continue
         value = _get(config, field.path)  # KeyError: the export lacks a field a loader reads
         assert isinstance(value, field.kind) and not (field.kind is int and isinstance(value, bool)), field.path
@@ -85,8 +109,34 @@ def test_export_carries_every_field_the_engines_read(exports, kind):
     assert config["block_size"] == 16 and config["hidden_act"] == "silu" and config["attention_bias"] is False
     assert not any(_has(config, path) for path in SILENT_DEFAULTS)  # engines' defaults = the trained draft
     if kind == "domino":  # the table covers every Domino key the export writes
-        domino_keys = {f.path.split(".")[-1] for f in SERVING_FIELDS if f.domino}
+        domino_keys = {f.path.split(".")[-1] for f in SERVING_FIELDS if f.kinds == (DOMINO,)}
         assert domino_keys == set(DominoHeadConfig(1, 1, 1, True).to_extra())
+
+
+@pytest.mark.parametrize("kind", list(FAMILY))
+def test_dflash2_and_dspark_exports_carry_what_their_loaders_read(exports, kind):
+    folder = exports[kind]
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    assert draft_kind(config) == kind and check_serving_fields(folder) == []
+    fields = [f for f in SERVING_FIELDS if kind in f.kinds]
+    for field in fields:
+        value = _get(config, field.path)
+        assert isinstance(value, field.kind) and not (field.kind is int and isinstance(value, bool)), field.path
+        assert field.ok is None or field.ok(value, config), f"{field.path} = {value!r}: {field.expect}"
+    # The table covers every head key the export writes, where the engines read it (DFlash 2: under dflash_config;
+    # DSpark: top level, as DeepSpec writes and both DSpark parsers read).
+    heads = {DFLASH2: {f"dflash_config.{k}" for k in DFlash2HeadConfig(1, 1, 1, 1).to_extra()},
+             DSPARK: set(DSparkHeadConfig(1, "vanilla", True, True).to_extra())}
+    assert heads[kind] <= {f.path for f in fields}
+    # Both kinds keep one block size at both places SGLang looks, and the DFlash keys at DFlash's places.
+    assert config["block_size"] == config["dflash_config"]["block_size"] == 4
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    if kind == DSPARK:  # DeepSpec's top-level copies agree with dflash_config (SGLang and vLLM read them in turn)
+        assert (config["mask_token_id"], config["target_layer_ids"]) == (
+            config["dflash_config"]["mask_token_id"], config["dflash_config"]["target_layer_ids"])
+        assert config["sample_from_anchor"] is True and "dspark_bonus_anchor" not in config
+    else:
+        assert config["is_causal"] is False
 
 
 def _has(config: dict, path: str) -> bool:
@@ -174,6 +224,40 @@ PLANTED = {  # case: (kind, plant, the start of the one problem reported)
                                       "dflash_config.shift_label: 1 is not of JSON type bool"),
     "Domino GRU width missing": ("domino", _delete("dflash_config.gru_hidden_dim"),
                                  "dflash_config.gru_hidden_dim: missing"),
+    # DFlash 2: the conv and selector keys both engines read under dflash_config, and its explicit non-causality
+    "DFlash 2 selector rank missing": (DFLASH2, _delete("dflash_config.selector_rank"),
+                                       "dflash_config.selector_rank: missing"),
+    "DFlash 2 conv wider than the block": (DFLASH2, _set("dflash_config.conv_kernel_size", 5),
+                                           "dflash_config.conv_kernel_size = 5: expected in [1, block_size]"),
+    "DFlash 2 conv groups not dividing hidden": (DFLASH2, _set("dflash_config.conv_group_size", 5),
+                                                 "dflash_config.conv_group_size = 5: expected a divisor"),
+    "DFlash 2 more candidates than tokens": (DFLASH2, _set("dflash_config.selector_top_k", 129),
+                                             "dflash_config.selector_top_k = 129"),
+    "DFlash 2 causality missing": (DFLASH2, _delete("is_causal"), "is_causal: missing"),
+    "DFlash 2 made causal": (DFLASH2, _set("is_causal", True), "is_causal = True: expected false"),
+    "DFlash 2 nested block differing": (DFLASH2, _set("dflash_config.block_size", 8),
+                                        "dflash_config.block_size = 8 differs from block_size 4"),
+    "DFlash 2 under the DFlash name": (DFLASH2, _set("architectures", ["DFlashDraftModel"]),
+                                       "architectures = ['DFlashDraftModel']: expected to name DFlash2DraftModel"),
+    # DSpark: its top-level head keys, DeepSpec's top-level copies and the layout keys vLLM / SGLang switch on
+    "DSpark Markov rank missing": (DSPARK, _delete("markov_rank"), "markov_rank: missing"),
+    "DSpark Markov rank zero": (DSPARK, _set("markov_rank", 0), "markov_rank = 0: expected positive"),
+    "DSpark gated head": (DSPARK, _set("markov_head_type", "gated"), "markov_head_type = 'gated': expected vanilla"),
+    "DSpark top-level mask differing": (DSPARK, _set("mask_token_id", 5),
+                                        "mask_token_id = 5: expected dflash_config.mask_token_id"),
+    "DSpark top-level layers differing": (DSPARK, _set("target_layer_ids", [1, 2]),
+                                          "target_layer_ids = [1, 2]: expected dflash_config.target_layer_ids"),
+    "DSpark with vLLM's bonus-anchor layout": (DSPARK, _set("dspark_bonus_anchor", True),
+                                               "dspark_bonus_anchor = True: the draft was trained with False"),
+    "DSpark in the speculators layout": (DSPARK, _set("speculators_model_type", "dspark"),
+                                         "speculators_model_type = 'dspark'"),
+    "DSpark under the DeepSeek-V4 class name": (DSPARK, _set("architectures", ["DSparkDraftModel"]),
+                                                "architectures = ['DSparkDraftModel']: expected to name Qwen3DSpark"),
+    "DSpark nested block differing": (DSPARK, _set("dflash_config.block_size", 7),
+                                      "dflash_config.block_size = 7 differs from block_size 4"),
+    "DSpark confidence head without its Markov input": (DSPARK, _set("confidence_head_with_markov", False),
+                                                        "confidence_head.proj.weight shape (1, 72): both engines "
+                                                        "build it as (1, 64)"),
 }
 
 
@@ -187,6 +271,39 @@ def test_check_serving_fields_names_each_planted_mismatch(exports, tmp_path, cas
     problems = check_serving_fields(folder)
     assert len(problems) == 1 and problems[0].startswith(expected), problems
     assert f"warning: {problems[0]}" in format_serving(folder).splitlines()  # `dflash export` prints it
+
+
+# Tensors the engines build from the config and load without checking the file has them (SGLang skips unknown
+# names; vLLM's AutoWeightsLoader leaves an absent parameter as allocated): a missing or reshaped one is named.
+PLANTED_TENSORS = {  # case: (kind, tensor, None to drop it or the shape to write, the start of the one problem)
+    "DFlash 2 successor codebook missing": (DFLASH2, "candidate_selector.successor_codebook", None,
+                                            "candidate_selector.successor_codebook: missing from model.safetensors"),
+    "DFlash 2 conv of the last layer missing": (DFLASH2, "layers.1.mlp_conv.base_kernel", None,
+                                                "layers.1.mlp_conv.base_kernel: missing"),
+    "DFlash 2 conv with another tap count": (DFLASH2, "layers.0.attention_conv.base_kernel", (2, 3, 64),
+                                             "layers.0.attention_conv.base_kernel shape (2, 3, 64): both engines "
+                                             "build it as (2, 2, 64)"),
+    "DSpark Markov projection missing": (DSPARK, "markov_head.markov_w2.weight", None,
+                                         "markov_head.markov_w2.weight: missing"),
+    "DSpark confidence bias missing": (DSPARK, "confidence_head.proj.bias", None, "confidence_head.proj.bias: missing"),
+    "DSpark Markov table of another rank": (DSPARK, "markov_head.markov_w1.weight", (128, 4),
+                                            "markov_head.markov_w1.weight shape (128, 4): both engines build it as "
+                                            "(128, 8)"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLANTED_TENSORS))
+def test_check_serving_fields_names_each_planted_tensor(exports, tmp_path, case):
+    kind, name, shape, expected = PLANTED_TENSORS[case]
+    folder = Path(shutil.copytree(exports[kind], tmp_path / "export"))
+    state = load_file(str(folder / WEIGHTS_NAME))
+    if shape is None:
+        del state[name]
+    else:
+        state[name] = torch.zeros(shape, dtype=state[name].dtype)
+    save_file(state, str(folder / WEIGHTS_NAME))
+    problems = check_serving_fields(folder)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
 # ---- (c) the commands -----------------------------------------------------------------------------------
@@ -214,6 +331,51 @@ def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
     text = format_serving(exports["domino"])
     assert "# not servable with vLLM: its DFlash loader has no Domino head" in text
     assert "an older one drops the Domino head silently" in text and "warning" not in text
+
+
+# What each engine's count means for the kind: DFlash 2 queries one trained block like DFlash (the bonus token, then
+# block_size - 1 masks; its convs run over exactly that block), DSpark proposes from every slot (vLLM: N slots, the
+# anchor and N - 1 masks, N = block_size; SGLang: gamma = block_size drafts plus the anchor verified).
+FAMILY_LINES = {  # kind: (vLLM method, num_speculative_tokens, SGLang algorithm, --speculative-num-draft-tokens)
+    DFLASH2: ("dflash", 3, "DFLASH", "4"),
+    DSPARK: ("dspark", 4, "DSPARK", "5"),
+}
+
+
+@pytest.mark.parametrize("kind", list(FAMILY))
+def test_dflash2_and_dspark_commands_carry_their_method_and_count(exports, target, tmp_path, kind):
+    method, n_spec, algorithm, n_draft = FAMILY_LINES[kind]
+    folder = exports[kind]
+    commands = serving_commands(folder)
+    vllm, sglang = shlex.split(commands[VLLM]), shlex.split(commands[SGLANG])
+    assert vllm[:4] == ["vllm", "serve", HUB_TARGET, "--speculative-config"] and len(vllm) == 5
+    assert json.loads(vllm[4]) == {"method": method, "model": str(folder.resolve()), "num_speculative_tokens": n_spec}
+    assert sglang[:3] == ["python", "-m", "sglang.launch_server"]
+    assert dict(zip(sglang[3::2], sglang[4::2], strict=True)) == {
+        "--model-path": HUB_TARGET, "--speculative-algorithm": algorithm,
+        "--speculative-draft-model-path": str(folder.resolve()), "--speculative-num-draft-tokens": n_draft}
+    assert (num_speculative_tokens(4, kind), str(num_draft_tokens(4, kind))) == (n_spec, n_draft)
+    # `dflash export` prints each line under a header naming the engine source checked for this kind
+    lines = format_serving(folder).splitlines()
+    for engine, (name, checked) in FAMILY_ENGINES[kind].items():
+        assert lines[lines.index(f"# {name} (checked against {checked})") + 1] == commands[engine]
+    assert not any(line.startswith("warning") for line in lines) and "not servable" not in "\n".join(lines)
+    assert FAMILY_ENGINES[kind] != ENGINES  # not the DFlash loaders' header
+    if kind == DSPARK:  # also without DeepSpec's target copies (SGLang skips them; vLLM shares the target's)
+        plain = _family_export(target, kind, tmp_path / "plain", with_target_copies=False)
+        assert check_serving_fields(plain) == [] and json.loads(shlex.split(serving_commands(plain)[VLLM])[4])[
+            "num_speculative_tokens"] == 4
+        assert "SGLang verifies block_size + 1" in "\n".join(lines)
+    else:
+        assert any("V2 model runner" in line for line in lines if line.startswith("note: "))
+
+
+def test_a_dspark_draft_without_confidence_head_is_served_with_a_note(target, tmp_path):
+    torch.manual_seed(0)
+    draft = build_draft(tiny_config(**FAMILY[DSPARK], dspark__enable_confidence_head=False), target, None)
+    folder = export_draft(draft, tmp_path / "export", target=HUB_TARGET)
+    assert check_serving_fields(folder) == [] and set(serving_commands(folder)) == {VLLM, SGLANG}
+    assert "note: no confidence head: keep SGLANG_RAGGED_VERIFY_MODE=static" in format_serving(folder)
 
 
 def test_targets_the_engines_cannot_load_as_recorded_become_a_variable(target, tmp_path, monkeypatch):

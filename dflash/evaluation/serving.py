@@ -14,8 +14,12 @@ the extra tensors (`AutoWeightsLoader`: "no module or parameter named"): no vLLM
 with `speculative/domino_utils.py` read the head (strict `prefix_gru.*` / `embed_proj.*` loading, bf16,
 `pure_draft_prefix_len` 1); older ones skip unknown tensor names and would serve the backbone alone.
 
-DFlash 2 and DSpark exports get no command: their loaders (SGLang `DFlash2DraftModel` / `models/dspark.py`, vLLM
-`qwen3_dflash2.py` / `qwen3_dspark.py`) were not checked here, so `dflash export` prints a note instead.
+DFlash 2 (`DFlash2DraftModel`) rides both engines' DFlash path (vLLM `"method": "dflash"`, SGLang `DFLASH`), with the
+DFlash counts: the convs run over one block, vLLM's of 1 + num_speculative_tokens query tokens, SGLang's of
+--speculative-num-draft-tokens, so both must be the trained block. DSpark (`Qwen3DSparkModel`) has its own method
+(vLLM `"method": "dspark"`, SGLang `DSPARK`) and every slot proposes: vLLM queries num_speculative_tokens = block_size
+slots (the anchor, then masks, each predicting the next token), SGLang verifies gamma + 1 = block_size + 1 tokens.
+Their extra fields and tensors are checked too (`FAMILY_ENGINES` names the sources).
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ from typing import Any
 
 from safetensors import safe_open
 
+from dflash.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash.domino import PROJECTOR_TYPE
+from dflash.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, exported_folder
 
 VLLM, SGLANG = "vllm", "sglang"
+DFLASH, DOMINO, DFLASH2, DSPARK = "dflash", "domino", "dflash2", "dspark"  # draft kinds (`draft_kind`)
+KINDS = (DFLASH, DOMINO, DFLASH2, DSPARK)
 # Engine -> (name, the source the commands and SERVING_FIELDS were read from). Files: vLLM
 # model_executor/models/qwen3_dflash.py @036a00d1, v1/spec_decode/dflash.py @01046b9a, config/speculative.py
 # @002e77c1, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @0cfdd2e1 (method dflash: in 0.18.2 already); SGLang
@@ -42,6 +50,21 @@ ENGINES: dict[str, tuple[str, str]] = {
     VLLM: ("vLLM", "vllm-project/vllm main @036a00d1, the v0.29.0 DFlash loader"),
     SGLANG: ("SGLang", "sgl-project/sglang main @7f151c5e; Domino: domino_utils.py @04d4c1ae"),
 }
+# The same for DFlash 2 and DSpark drafts. DSpark: vLLM @47bd6d7c model_executor/models/qwen3_dspark.py,
+# v1/worker/gpu/spec_decode/dspark/speculator.py, .../dflash/speculator.py, .../spec_decode/utils.py,
+# config/speculative.py (eagle3_utils.py @0cfdd2e1); SGLang @37e23874 srt/models/dspark.py, speculative/dspark_components/
+# dspark_config.py @01f47623, arg_groups/speculative_hook.py @004c82e0, speculative/dflash_utils.py @00731f0b. DFlash 2:
+# vLLM model_executor/models/qwen3_dflash2.py and v1/worker/gpu/spec_decode/dflash2/speculator.py @030da624 (PR
+# #52816; the index holds no copy at @47bd6d7c); SGLang srt/models/dflash.py `DFlash2DraftModel` (PR #35371, a
+# stored version the index names no commit of), dflash_utils.py @00731f0b, speculative/dflash_worker_v2.py @0057abea.
+FAMILY_ENGINES: dict[str, dict[str, tuple[str, str]]] = {
+    DFLASH2: {VLLM: ("vLLM", "vllm-project/vllm qwen3_dflash2.py + dflash2/speculator.py @030da624, PR #52816"),
+              SGLANG: ("SGLang", "sgl-project/sglang DFlash2DraftModel, PR #35371: dflash_utils.py @00731f0b, "
+                                 "dflash_worker_v2.py @0057abea")},
+    DSPARK: {VLLM: ("vLLM", "vllm-project/vllm @47bd6d7c: qwen3_dspark.py, dspark/speculator.py, config/speculative.py"),
+             SGLANG: ("SGLang", "sgl-project/sglang @37e23874: models/dspark.py; dspark_config.py @01f47623, "
+                                "speculative_hook.py @004c82e0")},
+}
 BOTH = (VLLM, SGLANG)
 TARGET_PLACEHOLDER = '"$TARGET"'  # a shell variable: the command stays pasteable, the note says what to set
 
@@ -49,7 +72,8 @@ TARGET_PLACEHOLDER = '"$TARGET"'  # a shell variable: the command stays pasteabl
 @dataclass(frozen=True)
 class ServingField:
     """One config.json field an engine's loader reads: `path` (dotted), its JSON type, the meaning the
-    engines give it, the value rule (`ok`, described by `expect`) and which engines read it."""
+    engines give it, the value rule (`ok`, described by `expect`), which engines read it and for which
+    draft kinds (`KINDS`)."""
 
     path: str
     kind: type | tuple[type, ...]
@@ -57,17 +81,24 @@ class ServingField:
     expect: str = "positive"
     ok: Callable[[Any, dict[str, Any]], bool] | None = lambda v, c: v > 0
     read_by: tuple[str, ...] = BOTH
-    domino: bool = False  # read only for a Domino draft (SGLang)
+    kinds: tuple[str, ...] = KINDS
 
 
 def _tli(c: dict[str, Any]) -> list[int]:
     return c["dflash_config"]["target_layer_ids"]
 
 
+def _arch(name: str, *kinds: str, meaning: str) -> ServingField:
+    return ServingField("architectures", list, meaning, f"to name {name}", lambda v, c: name in v, kinds=kinds)
+
+
 SERVING_FIELDS: tuple[ServingField, ...] = (
-    ServingField("architectures", list, "model class: vLLM's registry maps DFlashDraftModel to qwen3_dflash."
-                 "DFlashQwen3ForCausalLM; SGLang's EntryClass of models/dflash.py", "to name DFlashDraftModel",
-                 lambda v, c: "DFlashDraftModel" in v),
+    _arch("DFlashDraftModel", DFLASH, DOMINO, meaning="model class: vLLM's registry maps DFlashDraftModel to "
+          "qwen3_dflash.DFlashQwen3ForCausalLM; SGLang's EntryClass of models/dflash.py"),
+    _arch(DFLASH2_ARCHITECTURE, DFLASH2, meaning="model class: vLLM's registry maps it to qwen3_dflash2."
+          "DFlash2Qwen3ForCausalLM (and picks DFlash2Speculator, the V2 runner); SGLang's EntryClass of models/dflash.py"),
+    _arch(DSPARK_ARCHITECTURE, DSPARK, meaning="model class: vLLM's registry maps it to qwen3_dspark."
+          "Qwen3DSparkForCausalLM (and guesses method dspark from it); SGLang's EntryClass of models/dspark.py"),
     ServingField("model_type", str, "the transformers config class both parse config.json with (Qwen3Config)",
                  expect="qwen3", ok=lambda v, c: v == "qwen3"),
     ServingField("hidden_size", int, "draft width = the target's: fc output, target embedding and LM head rows"),
@@ -78,7 +109,7 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
     ServingField("intermediate_size", int, "MLP width (SGLang refuses <= 0)"),
     ServingField("rms_norm_eps", (int, float), "eps of every draft RMSNorm (hidden_norm, norm, layer norms)"),
     ServingField("vocab_size", int, "= the target's vocabulary: vLLM's draft_vocab_size (another size expects a d2t "
-                 "map); SGLang's Domino head output size"),
+                 "map); SGLang's Domino head output size; DFlash 2 codebook and DSpark Markov rows"),
     ServingField("rope_theta", (int, float), "RoPE base (SGLang get_rope_config; vLLM's default when "
                  "rope_parameters lacks it)"),
     ServingField("rope_parameters", dict, "RoPE of the draft's own q/k (vLLM get_rope(rope_parameters))",
@@ -93,7 +124,7 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
                  "one full_attention per draft layer",
                  lambda v, c: v == ["full_attention"] * c["num_hidden_layers"]),
     ServingField("block_size", int, "trained block: the verified token + block_size - 1 masks; SGLang's default "
-                 "--speculative-num-draft-tokens; vLLM does not read it (num_speculative_tokens = block_size - 1)",
+                 "--speculative-num-draft-tokens (DSpark: its gamma, + 1); vLLM does not read it",
                  ">= 2 (one proposal at least)", lambda v, c: v >= 2, read_by=(SGLANG,)),
     ServingField("num_target_layers", int, "target depth the draft was trained on: SGLang's range check of "
                  "target_layer_ids", read_by=(SGLANG,)),
@@ -110,21 +141,52 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
                  lambda v, c: bool(v) and v == sorted(set(v)) and 0 <= v[0] and v[-1] < c["num_target_layers"]),
     ServingField("dflash_config.projector_type", str, "domino: the draft carries the Domino correction head "
                  "(SGLang builds with domino_utils.py; vLLM refuses)", PROJECTOR_TYPE,
-                 lambda v, c: v == PROJECTOR_TYPE, read_by=(SGLANG,), domino=True),
+                 lambda v, c: v == PROJECTOR_TYPE, read_by=(SGLANG,), kinds=(DOMINO,)),
     ServingField("dflash_config.shift_label", bool, "which backbone slot proposes token j: slot j (true) or j + 1",
-                 ok=None, read_by=(SGLANG,), domino=True),
+                 ok=None, read_by=(SGLANG,), kinds=(DOMINO,)),
     ServingField("dflash_config.pure_draft_prefix_len", int, "proposals left uncorrected at the block start",
-                 "1 (SGLang refuses other values)", lambda v, c: v == 1, read_by=(SGLANG,), domino=True),
+                 "1 (SGLang refuses other values)", lambda v, c: v == 1, read_by=(SGLANG,), kinds=(DOMINO,)),
     ServingField("dflash_config.gru_hidden_dim", int, "width of prefix_gru (the head's causal state)",
-                 read_by=(SGLANG,), domino=True),
-    ServingField("dflash_config.emb_dim", int, "low-rank width of embed_proj", read_by=(SGLANG,), domino=True),
+                 read_by=(SGLANG,), kinds=(DOMINO,)),
+    ServingField("dflash_config.emb_dim", int, "low-rank width of embed_proj", read_by=(SGLANG,), kinds=(DOMINO,)),
+    ServingField("dflash_config.block_size", int, "read before block_size: DFlash 2's conv block (SGLang, until "
+                 "--speculative-num-draft-tokens overrides it), DSpark's gamma (the proposals of one block)",
+                 ">= 2", lambda v, c: v >= 2, read_by=(SGLANG,), kinds=(DFLASH2, DSPARK)),
+    ServingField("is_causal", bool, "causality of the draft attention, read before layer_types (both engines): "
+                 "false = non-causal over the block, as trained", "false", lambda v, c: v is False, kinds=(DFLASH2,)),
+    ServingField("dflash_config.conv_kernel_size", int, "taps T of every attention_conv / mlp_conv (base_kernel "
+                 "[2, T, H]); the taps stay inside one block", "in [1, block_size]",
+                 lambda v, c: 1 <= v <= c["block_size"], kinds=(DFLASH2,)),
+    ServingField("dflash_config.conv_group_size", int, "channels g sharing one dynamic tap coefficient "
+                 "(kernel_projection rows 2 T H / g)", "a divisor of hidden_size",
+                 lambda v, c: v > 0 and c["hidden_size"] % v == 0, kinds=(DFLASH2,)),
+    ServingField("dflash_config.selector_rank", int, "rank r of the candidate selector (codebooks [V, r], "
+                 "hidden_projection [r, H])", kinds=(DFLASH2,)),
+    ServingField("dflash_config.selector_top_k", int, "candidates per slot: the top-k of the target head's logits",
+                 "in [1, vocab_size]", lambda v, c: 1 <= v <= c["vocab_size"], kinds=(DFLASH2,)),
+    ServingField("markov_rank", int, "rank r of the Markov head (markov_w1 / markov_w2 [V, r]); both refuse 0",
+                 kinds=(DSPARK,)),
+    ServingField("markov_head_type", str, "SGLang builds a vanilla, gated or rnn head from it (vLLM only vanilla)",
+                 "vanilla", lambda v, c: v == "vanilla", read_by=(SGLANG,), kinds=(DSPARK,)),
+    ServingField("confidence_head_with_markov", bool, "confidence head input: [h ; markov_w1[previous]] (true) or h",
+                 ok=None, kinds=(DSPARK,)),
+    ServingField("enable_confidence_head", bool, "whether confidence_head.proj.* are in the file (SGLang warns when "
+                 "absent; it and vLLM load the head only for adaptive verification)", ok=None, read_by=(SGLANG,),
+                 kinds=(DSPARK,)),
+    ServingField("mask_token_id", int, "SGLang's DSpark parser reads it before dflash_config.mask_token_id, vLLM "
+                 "after it", "dflash_config.mask_token_id", lambda v, c: v == c["dflash_config"]["mask_token_id"],
+                 kinds=(DSPARK,)),
+    ServingField("target_layer_ids", list, "DeepSpec's key: vLLM's last fallback (+ 1) for the captured layers",
+                 "dflash_config.target_layer_ids", lambda v, c: v == _tli(c), read_by=(VLLM,), kinds=(DSPARK,)),
 )
 # Keys the export leaves out because the engines' defaults are its meaning; set otherwise, they silently
-# change what is computed (non-causal attention, no SWA, fc on, rotate-half RoPE, one block size).
+# change what is computed (non-causal attention, no SWA, fc on, rotate-half RoPE, one block size; DSpark: the
+# anchor proposes (vLLM's 1 + N layout otherwise), DeepSpec's slots (speculators' one-early slots otherwise)).
 SILENT_DEFAULTS: dict[str, Any] = {
     "is_causal": False, "dflash_config.causal": False, "dflash_config.use_swa": False,
     "use_aux_hidden_state": True, "dflash_config.use_aux_hidden_state": True,
     "is_neox_style": True, "rope_is_neox_style": True,
+    "sample_from_anchor": True, "dspark_bonus_anchor": False, "speculators_model_type": None,
 }
 _MISSING = object()
 
@@ -148,25 +210,37 @@ def is_domino_config(config: dict[str, Any]) -> bool:
 
 
 def is_dflash2_config(config: dict[str, Any]) -> bool:
-    """A DFlash 2 export (`architectures: ["DFlash2DraftModel"]`): its loaders (SGLang's `DFlash2DraftModel`,
-    PR #35371; vLLM's `qwen3_dflash2.py`, PR #52816) were not read for this table, so no command is given."""
-    return "DFlash2DraftModel" in (config.get("architectures") or [])
+    """A DFlash 2 export (`architectures: ["DFlash2DraftModel"]`)."""
+    return DFLASH2_ARCHITECTURE in (config.get("architectures") or [])
 
 
 def is_dspark_config(config: dict[str, Any]) -> bool:
-    """A DSpark export (`architectures: ["Qwen3DSparkModel"]`, DeepSpec's shape): its loaders (SGLang's
-    `models/dspark.py`, vLLM's `qwen3_dspark.py`) were not checked for this table, so no command is given."""
-    return "Qwen3DSparkModel" in (config.get("architectures") or [])
+    """A DSpark export (`architectures: ["Qwen3DSparkModel"]`, DeepSpec's shape)."""
+    return DSPARK_ARCHITECTURE in (config.get("architectures") or [])
+
+
+def draft_kind(config: dict[str, Any]) -> str:
+    """`DSPARK`, `DFLASH2`, `DOMINO` or `DFLASH`: from the architecture, or the head keys under another one (whose
+    fields are then checked against the kind the keys say, so a wrong architecture is named as such)."""
+    if is_dspark_config(config) or "markov_rank" in config:
+        return DSPARK
+    if is_dflash2_config(config) or _get(config, "dflash_config.selector_rank") is not _MISSING:
+        return DFLASH2
+    return DOMINO if is_domino_config(config) else DFLASH
+
+
+def engines_for(config: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Engine -> (name, the source checked) for this export's kind."""
+    return FAMILY_ENGINES.get(draft_kind(config), ENGINES)
 
 
 def check_serving_fields(export_dir: str | Path) -> list[str]:
-    """Every way the export's config.json differs from what the engines' loaders read (empty: none)."""
+    """Every way the export differs from what the engines' loaders read (empty: none): its config.json fields
+    (`SERVING_FIELDS`, `SILENT_DEFAULTS`) and the shapes of the tensors they build from them (`_built_shapes`)."""
     folder, config = _read(export_dir)
-    domino = is_domino_config(config)
-    problems = []
-    for field in SERVING_FIELDS:
-        if field.domino and not domino:
-            continue
+    kind = draft_kind(config)
+    problems, fields = [], [f for f in SERVING_FIELDS if kind in f.kinds]
+    for field in fields:
         value, readers = _get(config, field.path), "/".join(ENGINES[e][0] for e in field.read_by)
         if value is _MISSING:
             problems.append(f"{field.path}: missing ({readers} read it: {field.meaning})")
@@ -174,22 +248,55 @@ def check_serving_fields(export_dir: str | Path) -> list[str]:
             problems.append(f"{field.path}: {value!r} is not of JSON type {getattr(field.kind, '__name__', 'number')}")
         elif field.ok is not None and not _holds(field.ok, value, config):
             problems.append(f"{field.path} = {value!r}: expected {field.expect} ({readers}: {field.meaning})")
+    fields_ok = not problems  # the built shapes below come from these fields
     for path, default in SILENT_DEFAULTS.items():
         value = _get(config, path)
-        if value is not _MISSING and value != default:
+        if value is not _MISSING and value != default and path not in {f.path for f in fields}:
             problems.append(f"{path} = {value!r}: the draft was trained with {default!r} (leave it out)")
     nested = _get(config, "dflash_config.block_size")  # SGLang reads this one first
     if nested is not _MISSING and nested != config.get("block_size"):
         problems.append(f"dflash_config.block_size = {nested!r} differs from block_size {config.get('block_size')!r}")
     with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
-        fc = tuple(f.get_slice("fc.weight").get_shape()) if "fc.weight" in f.keys() else None
-    try:
-        want = (config["hidden_size"], len(_tli(config)) * config["hidden_size"])
-    except (KeyError, TypeError):
-        want = None
-    if want is not None and fc != want:
-        problems.append(f"fc.weight shape {fc}: both engines build fc as {want} (len(target_layer_ids) x hidden)")
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    for name, (want, why) in (_built_shapes(config, kind) if fields_ok else {}).items():
+        got = shapes.get(name)
+        if name == "fc.weight" and got != want:
+            problems.append(f"fc.weight shape {got}: both engines build fc as {want} (len(target_layer_ids) x hidden)")
+        elif got is None:
+            problems.append(f"{name}: missing from {WEIGHTS_NAME} (both engines build it as {want}: {why}; "
+                            "neither refuses a file without it)")
+        elif got != want:
+            problems.append(f"{name} shape {got}: both engines build it as {want} ({why})")
     return problems
+
+
+def _built_shapes(config: dict[str, Any], kind: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor -> (the shape the engines build it with from config.json, from what): fc, and the DFlash 2 / DSpark
+    tensors, which the engines load without checking that the file has them."""
+    c = config
+    try:
+        h, v = c["hidden_size"], c["vocab_size"]
+        built = {"fc.weight": ((h, len(_tli(c)) * h), "len(target_layer_ids) x hidden")}
+        if kind == DFLASH2:
+            d = c["dflash_config"]
+            t, r = d["conv_kernel_size"], d["selector_rank"]
+            conv = {"base_kernel": ((2, t, h), "2 sides x conv_kernel_size x hidden"),
+                    "kernel_projection.weight": ((2 * t * (h // d["conv_group_size"]), h), "2 T H / g x hidden")}
+            built |= {f"layers.{i}.{m}.{p}": s for i in range(c["num_hidden_layers"])
+                      for m in ("attention_conv", "mlp_conv") for p, s in conv.items()}
+            built |= {f"candidate_selector.{b}_codebook": ((v, r), "vocab x selector_rank") for b in ("predecessor",
+                                                                                                      "successor")}
+            built["candidate_selector.hidden_projection.weight"] = ((r, h), "selector_rank x hidden")
+        if kind == DSPARK:
+            r = c["markov_rank"]
+            built |= {f"markov_head.markov_w{i}.weight": ((v, r), "vocab x markov_rank") for i in (1, 2)}
+            if c["enable_confidence_head"]:
+                width = h + (r if c["confidence_head_with_markov"] else 0)
+                built["confidence_head.proj.weight"] = ((1, width), "1 x (hidden + markov_rank with markov)")
+                built["confidence_head.proj.bias"] = ((1,), "one logit")
+    except (KeyError, TypeError):  # a field the fields do not cover is broken: nothing to compare with
+        return {}
+    return built
 
 
 def _holds(rule: Callable[[Any, dict[str, Any]], bool], value: Any, config: dict[str, Any]) -> bool:
@@ -199,18 +306,20 @@ def _holds(rule: Callable[[Any, dict[str, Any]], bool], value: Any, config: dict
         return False
 
 
-def num_speculative_tokens(block_size: int) -> int:
-    """vLLM's `num_speculative_tokens` for a draft trained with `block_size`: block_size - 1. vLLM's
-    DFlashProposer (v1/spec_decode/dflash.py) queries `num_query_per_req = 1 + num_speculative_tokens`
-    slots per request, the bonus token then `num_speculative_tokens` mask tokens: one trained block."""
-    return block_size - 1
+def num_speculative_tokens(block_size: int, kind: str = DFLASH) -> int:
+    """vLLM's `num_speculative_tokens` for a draft trained with `block_size`. DFlash (and DFlash 2): block_size - 1;
+    DFlashSpeculator queries `1 + num_speculative_tokens` slots per request, the bonus token then that many mask
+    tokens: one trained block (DFlash 2's conv block is that 1 + N). DSpark: block_size; DSparkSpeculator queries
+    N = num_speculative_tokens slots (the anchor, then N - 1 masks), each proposing the next token."""
+    return block_size if kind == DSPARK else block_size - 1
 
 
-def num_draft_tokens(block_size: int) -> int:
-    """SGLang's `--speculative-num-draft-tokens`: block_size itself. DFlashWorker (speculative/dflash_worker.py)
-    fills `block_ids[:, 0]` with the bonus token and the other block_size - 1 slots with the mask, and
-    `_handle_dflash` (arg_groups/speculative_hook.py) defaults it to the config's `block_size`."""
-    return block_size
+def num_draft_tokens(block_size: int, kind: str = DFLASH) -> int:
+    """SGLang's `--speculative-num-draft-tokens`. DFlash (and DFlash 2): block_size itself; DFlashWorker fills
+    `block_ids[:, 0]` with the bonus token and the other block_size - 1 slots with the mask, and `_handle_dflash`
+    defaults it to the config's `block_size`. DSpark: block_size + 1; `_handle_dspark` requires gamma + 1 (the
+    anchor + gamma drafts verified), gamma being the config's block_size."""
+    return block_size + 1 if kind == DSPARK else block_size
 
 
 def _target(config: dict[str, Any]) -> tuple[str, str | None]:
@@ -229,47 +338,55 @@ def serving_commands(export_dir: str | Path) -> dict[str, str]:
     """Engine -> a one-line launch command serving the export with its target; an engine that cannot serve
     the export faithfully (vLLM for a Domino draft) has no entry. The target is `dflash_config.target`."""
     folder, config = _read(export_dir)
-    if is_dflash2_config(config) or is_dspark_config(config):
-        return {}
+    kind = draft_kind(config)
     target, _ = _target(config)
     block = config.get("block_size")
     if not isinstance(block, int) or isinstance(block, bool):
         raise ValueError(f"{folder / CONFIG_NAME} has no integer block_size ({block!r}): the commands need it")
-    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": num_speculative_tokens(block)})
-    commands = {SGLANG: f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                        f"--speculative-draft-model-path {shlex.quote(str(folder))} "
-                        f"--speculative-num-draft-tokens {num_draft_tokens(block)}"}
-    if is_domino_config(config):
+    # method given explicitly: vLLM guesses "dflash" only from a model path containing "dflash"
+    spec = json.dumps({"method": DSPARK if kind == DSPARK else DFLASH, "model": str(folder),
+                       "num_speculative_tokens": num_speculative_tokens(block, kind)})
+    commands = {VLLM: f"vllm serve {target} --speculative-config {shlex.quote(spec)}",
+                SGLANG: f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+                        f"{'DSPARK' if kind == DSPARK else 'DFLASH'} --speculative-draft-model-path "
+                        f"{shlex.quote(str(folder))} --speculative-num-draft-tokens {num_draft_tokens(block, kind)}"}
+    if kind == DOMINO:
+        del commands[VLLM]
         commands[SGLANG] += " --dtype bfloat16"  # SGLang's Domino runtime requires bf16 (validate_domino_runtime)
-    else:
-        # method given explicitly: vLLM guesses "dflash" only from a model path containing "dflash"
-        commands = {VLLM: f"vllm serve {target} --speculative-config {shlex.quote(spec)}", **commands}
     return commands
+
+
+def _notes(config: dict[str, Any], kind: str) -> list[str | None]:
+    notes = [_target(config)[1]]
+    if kind == DOMINO:
+        notes.append("SGLang needs a build with Domino support (python/sglang/srt/speculative/domino_utils.py); "
+                     "an older one drops the Domino head silently and serves the backbone alone")
+    if kind == DFLASH2:
+        notes += ["vLLM needs a build with DFlash 2 (PR #52816: DFlash2DraftModel in its registry, served by the V2 "
+                  "model runner it selects for one), SGLang one with PR #35371; an older one refuses the export",
+                  "the selector takes its candidates from the target's LM head: vLLM needs it unquantized, SGLang "
+                  "dense or of a quantization it can apply; the convs run over one block of the counts above"]
+    if kind == DSPARK:
+        notes.append("every slot proposes: vLLM drafts num_speculative_tokens = block_size tokens from the anchor "
+                     "and block_size - 1 masks, SGLang verifies block_size + 1 (the anchor and block_size drafts)")
+        if config.get("enable_confidence_head") is False:
+            notes.append("no confidence head: keep SGLANG_RAGGED_VERIFY_MODE=static (the default) and vLLM's "
+                         "adaptive_verification off, both of which need one")
+    return notes
 
 
 def format_serving(export_dir: str | Path) -> str:
     """The text `dflash export` prints: per engine one header line (engine, what it was checked against)
     and its command, or why there is none; then notes and any `check_serving_fields` problems."""
     _, config = _read(export_dir)
-    if is_dflash2_config(config):  # nothing printed that was not checked against the engines' loaders
-        return ("Serving (block_size {}): a DFlash 2 draft. Its launch lines are not checked against the engines' "
-                "DFlash 2 loaders yet (SGLang DFlash2DraftModel, vLLM qwen3_dflash2.py); vLLM's "
-                "num_speculative_tokens would be block_size - 1.".format(config.get("block_size")))
-    if is_dspark_config(config):
-        return ("Serving (block_size {}): a DSpark draft (DeepSpec's Qwen3DSparkModel shape). Its launch lines are not "
-                "checked against the engines' DSpark loaders yet (SGLang models/dspark.py, vLLM qwen3_dspark.py); every "
-                "slot proposes, so one block verifies block_size drafts (SGLang's dspark_config.py: "
-                "speculative_num_draft_tokens = block_size + 1).".format(config.get("block_size")))
+    kind = draft_kind(config)
     commands = serving_commands(export_dir)
-    lines = ["Serve it (block_size {}):".format(config.get("block_size"))]
-    for engine, (name, checked) in ENGINES.items():
+    lines = ["Serve it (block_size {}{}):".format(config.get("block_size"), {DFLASH2: "; a DFlash 2 draft",
+                                                                              DSPARK: "; a DSpark draft"}.get(kind, ""))]
+    for engine, (name, checked) in engines_for(config).items():
         lines.append(f"# {name} (checked against {checked})")
         lines.append(commands.get(engine) or f"# not servable with {name}: its DFlash loader has no Domino head "
                      "(prefix_gru/embed_proj) and refuses the export")
-    notes = [_target(config)[1]]
-    if is_domino_config(config):
-        notes.append("SGLang needs a build with Domino support (python/sglang/srt/speculative/domino_utils.py); "
-                     "an older one drops the Domino head silently and serves the backbone alone")
-    lines += [f"note: {n}" for n in notes if n]
+    lines += [f"note: {n}" for n in _notes(config, kind) if n]
     lines += [f"warning: {p}" for p in check_serving_fields(export_dir)]
     return "\n".join(lines)
