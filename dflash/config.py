@@ -67,7 +67,7 @@ class DominoSettings:
     emb_dim: int = 256  # low-rank width of [backbone hidden || GRU state] -> emb_dim -> SiLU -> vocab
     gru_hidden_dim: int = 1024
     pure_draft_prefix_len: int = 1  # slots before suffix_start get no correction
-    shift_label: bool = False  # label layout of the published checkpoints (see dflash.domino)
+    shift_label: bool = False  # label layout of the published checkpoints (see dflash.kinds.domino)
     lambda_start: float = 1.0  # weight of the base CE at step 0; falls linearly to 0
     decay_ratio: float = 0.5  # ... over decay_ratio * max_steps
     scheduled_sampling: float = 0.0  # fraction of GRU inputs taken from the draft's own base predictions
@@ -266,7 +266,7 @@ class TrainConfig:
     def _dflash2_checks(self) -> list[tuple[bool, str]]:
         """`dflash2.*` ranges, and what a DFlash 2 draft does not support (refused at start, with the reason).
         The hidden size's divisibility by conv_group_size and top_k <= vocab are checked when the draft is
-        built (`dflash.dflash2.DFlash2HeadConfig`): they need the target's config."""
+        built (`dflash.kinds.dflash2.DFlash2HeadConfig`): they need the target's config."""
         d, is_d2 = self.dflash2, self.draft.kind == "dflash2"
         return [
             (1 <= d.conv_kernel_size <= self.draft.block_size, "dflash2.conv_kernel_size must be in [1, block_size]"),

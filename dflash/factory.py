@@ -20,13 +20,13 @@ from torch import nn
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.feature_data import check_run_features
-from dflash.dflash2 import DFlash2HeadConfig
-from dflash.dflash2_objective import DFlash2Objective
-from dflash.domino import DominoHeadConfig, DominoObjective
-from dflash.drafts import draft_model_for_config
-from dflash.dspark import DSparkHeadConfig
-from dflash.dspark_objective import DSparkObjective
 from dflash.embedded import EMBEDDED_MASK_TOKEN
+from dflash.kinds.dflash2 import DFlash2HeadConfig
+from dflash.kinds.dflash2_objective import DFlash2Objective
+from dflash.kinds.domino import DominoHeadConfig, DominoObjective
+from dflash.kinds.drafts import draft_model_for_config
+from dflash.kinds.dspark import DSparkHeadConfig
+from dflash.kinds.dspark_objective import DSparkObjective
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
 from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location

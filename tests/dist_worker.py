@@ -177,7 +177,7 @@ HEAD_VARIANTS = {
 }
 HEAD_STEPS = 2
 # Where the objectives draw their anchors (DSpark's `plan` calls its own module's `sample_anchors`).
-ANCHOR_SAMPLERS = ("dflash.objective", "dflash.dspark_objective")
+ANCHOR_SAMPLERS = ("dflash.objective", "dflash.kinds.dspark_objective")
 
 
 def head_runs(kind: str) -> list[tuple[str, str]]:

@@ -13,14 +13,14 @@ from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, t
 from dflash.anchors import sample_anchors
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
-from dflash.dflash2 import DFlash2DraftModel, GroupedDynamicConv, dflash2_weight_names
-from dflash.dflash2_objective import DFlash2Objective
 from dflash.diagnostics import forbid_syncs
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
 from dflash.evaluation.serving import format_serving, serving_commands
 from dflash.factory import build_draft, build_objective
 from dflash.hf.module import DFlashTrainingModule
+from dflash.kinds.dflash2 import DFlash2DraftModel, GroupedDynamicConv, dflash2_weight_names
+from dflash.kinds.dflash2_objective import DFlash2Objective
 from dflash.losses import block_targets
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
@@ -95,7 +95,7 @@ def test_a_fresh_dflash2_draft_computes_its_dflash_backbone(tiny_target):
 
 
 def _loop_conv(conv: GroupedDynamicConv, x: torch.Tensor, side: int, delta: torch.Tensor) -> torch.Tensor:
-    """conv(x; side, delta) one output element at a time (module doc of dflash.dflash2)."""
+    """conv(x; side, delta) one output element at a time (module doc of dflash.kinds.dflash2)."""
     bsz, q, h = x.shape
     out = torch.zeros_like(x)
     for b in range(bsz):

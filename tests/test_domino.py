@@ -20,7 +20,10 @@ from conftest import (
     train_on_continuations,
 )
 from dflash.diagnostics import forbid_syncs
-from dflash.domino import (
+from dflash.evaluation import speculative as sp
+from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
+from dflash.factory import build_objective
+from dflash.kinds.domino import (
     DOMINO_WEIGHT_NAMES,
     DominoDraftModel,
     DominoHeadConfig,
@@ -28,9 +31,6 @@ from dflash.domino import (
     DominoTargets,
     domino_propose,
 )
-from dflash.evaluation import speculative as sp
-from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
-from dflash.factory import build_objective
 from dflash.losses import BlockTargets, block_targets, domino_linear_cross_entropy
 from dflash.objective import DFlashObjective
 from dflash.target.frozen import FrozenTarget

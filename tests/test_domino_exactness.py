@@ -1,6 +1,6 @@
 """The Domino step's fast path against a naive Domino written out by hand, and the shape of its GEMMs.
 
-The reference spells out every rule of `dflash.domino` on its own: a GRU loop over the equations of
+The reference spells out every rule of `dflash.kinds.domino` on its own: a GRU loop over the equations of
 `torch.nn.GRU` (r, z, n gates; no cuDNN), the GRU's input tokens (anchor, labels, data where
 unsupervised, the base predictions where scheduled sampling drew them), materialized float64 logits, and
 the metrics. The objective must equal it in loss, base / final CE, every metric and every gradient, for
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import TINY_VOCAB, make_tiny_target, random_batch, tiny_config
-from dflash.domino import DominoObjective
 from dflash.factory import build_objective
+from dflash.kinds.domino import DominoObjective
 from dflash.losses import accepted_prefix_length, block_positions
 
 BS = 4

@@ -17,13 +17,13 @@ from dflash.anchors import sample_anchors
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
-from dflash.dspark import TARGET_COPY_NAMES, DSparkDraftModel, dspark_weight_names
-from dflash.dspark_objective import DSparkObjective, dspark_block_targets
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
 from dflash.evaluation.serving import format_serving, serving_commands
 from dflash.factory import build_draft, build_objective, check_dspark_support
 from dflash.hf.module import DFlashTrainingModule
+from dflash.kinds.dspark import TARGET_COPY_NAMES, DSparkDraftModel, dspark_weight_names
+from dflash.kinds.dspark_objective import DSparkObjective, dspark_block_targets
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
 from dflash.report.sinks import read_history

@@ -23,8 +23,8 @@ from dist_worker import (
     use_anchors,
 )
 
-from dflash.dspark import DSparkDraftModel, DSparkHeadConfig, dspark_weight_names
-from dflash.dspark_objective import DSparkObjective, dspark_block_targets
+from dflash.kinds.dspark import DSparkDraftModel, DSparkHeadConfig, dspark_weight_names
+from dflash.kinds.dspark_objective import DSparkObjective, dspark_block_targets
 
 METRICS = ("loss", "dspark_loss", "l1_loss", "confidence_loss", "accuracy", "tau", "base_accuracy", "base_tau",
            "mean_confidence", "mean_acceptance", "per_position_accuracy", "supervised_tokens", "anchors_kept",

@@ -14,9 +14,6 @@ from safetensors.torch import load_file, save_file
 
 from conftest import DFLASH2_HEAD, TINY_MASK_ID, make_tiny_target, tiny_config
 from dflash.cli.main import main
-from dflash.dflash2 import DFlash2HeadConfig
-from dflash.domino import DominoDraftModel, DominoHeadConfig
-from dflash.dspark import DSparkHeadConfig
 from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, WEIGHTS_NAME, export_draft
 from dflash.evaluation.serving import (
     DFLASH2,
@@ -36,6 +33,9 @@ from dflash.evaluation.serving import (
     serving_commands,
 )
 from dflash.factory import build_draft
+from dflash.kinds.dflash2 import DFlash2HeadConfig
+from dflash.kinds.domino import DominoDraftModel, DominoHeadConfig
+from dflash.kinds.dspark import DSparkHeadConfig
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.target.frozen import FrozenTarget
 

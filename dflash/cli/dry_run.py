@@ -15,10 +15,10 @@ from dflash.config import TrainConfig
 from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations, split_warning
 from dflash.data.regenerate import prompt_id, prompt_turns
 from dflash.data.sources import local_source
-from dflash.drafts import draft_model_for_config
 from dflash.embedded import cache_root, embedded_target_dir
 from dflash.factory import draft_config_for, offline_target
 from dflash.files import format_bytes
+from dflash.kinds.drafts import draft_model_for_config
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies

@@ -25,7 +25,7 @@ layers.{i}.{attention,mlp}_conv.kernel_projection.weight [2*T*H/g, H], candidate
 [r, H], and the raw codebooks candidate_selector.{predecessor,successor}_codebook [V, r] (no `.weight`).
 No embedding and no LM head: every consumer uses the target's.
 
-A DSpark draft is written in DeepSpec's `Qwen3DSparkModel` shape (`dflash.dspark`): `architectures:
+A DSpark draft is written in DeepSpec's `Qwen3DSparkModel` shape (`dflash.kinds.dspark`): `architectures:
 ["Qwen3DSparkModel"]`, top-level `markov_rank`, `markov_head_type`, `enable_confidence_head`,
 `confidence_head_with_markov`, `sample_from_anchor: true`, `mask_token_id`, `target_layer_ids` (where DeepSpec
 writes them and SGLang's / vLLM's DSpark parsers read them), plus the usual `dflash_config` with `block_size`
@@ -75,12 +75,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.config import HELD_OUT_SPLIT_KEYS
-from dflash.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
-from dflash.dflash2 import dflash2_weight_names, is_dflash2
-from dflash.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
-from dflash.drafts import draft_model_for_config
-from dflash.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
-from dflash.dspark import (
+from dflash.kinds.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from dflash.kinds.dflash2 import dflash2_weight_names, is_dflash2
+from dflash.kinds.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
+from dflash.kinds.drafts import draft_model_for_config
+from dflash.kinds.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash.kinds.dspark import (
     HEAD_KEYS,
     TARGET_COPY_NAMES,
     DSparkHeadConfig,

@@ -33,10 +33,10 @@ from typing import Any
 
 from safetensors import safe_open
 
-from dflash.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
-from dflash.domino import PROJECTOR_TYPE
-from dflash.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, exported_folder
+from dflash.kinds.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from dflash.kinds.domino import PROJECTOR_TYPE
+from dflash.kinds.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 
 VLLM, SGLANG = "vllm", "sglang"
 DFLASH, DOMINO, DFLASH2, DSPARK = "dflash", "domino", "dflash2", "dspark"  # draft kinds (`draft_kind`)

@@ -6,7 +6,7 @@ One decode step, with `start` the position of the last emitted token `t` (not ye
     draft   block = [t, mask x (bs-1)] at positions start..start+bs-1, attending to the draft's
             cached context K/V (target features of every position < start) and to its own block
             -> draft tokens d_1..d_{bs-1} = argmax(draft_hidden[slots 1..] @ lm_head^T)
-            (Domino: the correction head then runs causally over d_1.., `dflash.domino.domino_propose`;
+            (Domino: the correction head then runs causally over d_1.., `dflash.kinds.domino.domino_propose`;
             DSpark: every slot k proposes the token at start+k+1, d_1..d_bs by the Markov walk, `dspark_propose`)
     target  one forward over [t, d_1..d_{v-1}] (v = min(bs, tokens still allowed)) with its KV cache
             -> greedy g_0..g_{v-1};  a = longest prefix with d_k == g_{k-1}
@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.dflash2 import DFlash2DraftModel, dflash2_propose
-from dflash.domino import DominoDraftModel, domino_propose
-from dflash.dspark import DSparkDraftModel, dspark_propose
+from dflash.kinds.dflash2 import DFlash2DraftModel, dflash2_propose
+from dflash.kinds.domino import DominoDraftModel, domino_propose
+from dflash.kinds.dspark import DSparkDraftModel, dspark_propose
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftModel, cache_kwarg
 from dflash.report.console import progress

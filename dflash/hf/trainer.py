@@ -54,7 +54,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
-from dflash.domino import DominoDraftModel
 from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, TRAINER_PREFIX, export_state, load_exported
 from dflash.hf.callback import EXPORT_DIRNAME, DFlashCallback
 from dflash.hf.module import (
@@ -66,6 +65,7 @@ from dflash.hf.module import (
     dflash_collator,
     unwrap_model,
 )
+from dflash.kinds.domino import DominoDraftModel
 from dflash.losses import window_loss_scale
 
 __all__ = [

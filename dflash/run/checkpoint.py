@@ -50,8 +50,8 @@ import yaml
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from dflash.drafts import draft_model_for_config
 from dflash.files import write_atomic
+from dflash.kinds.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dflash.config import flatten
-from dflash.drafts import draft_model_for_config
+from dflash.kinds.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 from dflash.run.checkpoint import CheckpointError
 

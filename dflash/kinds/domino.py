@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.anchors import GlobalRows
-from dflash.config import DominoSettings
+from dflash.kinds.heads import HeadKeys
 from dflash.losses import (
     BlockTargets,
     accepted_prefix_length,
@@ -84,17 +84,13 @@ DOMINO_WEIGHT_NAMES = frozenset(
 
 
 @dataclass(frozen=True)
-class DominoHeadConfig:
+class DominoHeadConfig(HeadKeys):
     """The Domino keys of `dflash_config` (published names)."""
 
     emb_dim: int
     gru_hidden_dim: int
     pure_draft_prefix_len: int
     shift_label: bool
-
-    @classmethod
-    def from_settings(cls, s: DominoSettings) -> DominoHeadConfig:
-        return cls(s.emb_dim, s.gru_hidden_dim, s.pure_draft_prefix_len, s.shift_label)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], block_size: int) -> DominoHeadConfig:
@@ -114,7 +110,7 @@ class DominoHeadConfig:
         return head
 
     def to_extra(self) -> dict[str, Any]:
-        return {"projector_type": PROJECTOR_TYPE, **dataclasses.asdict(self)}
+        return {"projector_type": PROJECTOR_TYPE, **super().to_extra()}
 
 
 def is_domino(cfg: DFlashDraftConfig) -> bool:

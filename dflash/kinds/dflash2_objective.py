@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dflash.dflash2 import DFlash2DraftModel
+from dflash.kinds.dflash2 import DFlash2DraftModel
 from dflash.losses import BlockTargets, accepted_prefix_length, head_logits, linear_cross_entropy, teacher_tokens
 from dflash.objective import BlockOutput, DFlashObjective
 from dflash.target.frozen import Target

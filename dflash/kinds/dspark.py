@@ -3,7 +3,7 @@
 Layout (anchor-as-first-prediction, vLLM's `sample_from_anchor: true`): the block anchored at a holds
 the token at a in slot 0 and the mask token in slots 1..bs-1, like DFlash's, but **slot k predicts the
 token at a + k + 1** for k = 0..bs-1: bs input slots give bs proposals, slot 0 included (DFlash's slot k
-predicts a + k and slot 0 none). Labels, weights and the objective: `dflash.dspark_objective`.
+predicts a + k and slot 0 none). Labels, weights and the objective: `dflash.kinds.dspark_objective`.
 
 Two heads, with the published parameter names (DeepSpec's `Qwen3DSparkModel`, the export contract):
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.config import DSparkSettings
+from dflash.kinds.heads import HeadKeys
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
@@ -41,7 +41,7 @@ MARKOV_HEAD_TYPES = ("vanilla",)  # DeepSpec's gated and rnn heads are not imple
 
 
 @dataclass(frozen=True)
-class DSparkHeadConfig:
+class DSparkHeadConfig(HeadKeys):
     """The DSpark keys of a draft config (published names; they sit at the top level of DeepSpec's config.json,
     where SGLang and vLLM read them). Their presence marks a DSpark draft."""
 
@@ -49,11 +49,6 @@ class DSparkHeadConfig:
     markov_head_type: str
     enable_confidence_head: bool
     confidence_head_with_markov: bool
-
-    @classmethod
-    def from_settings(cls, s: DSparkSettings) -> DSparkHeadConfig:
-        """The heads of the `dspark` config section (the same field names; the loss settings stay with the objective)."""
-        return cls(**{f.name: getattr(s, f.name) for f in dataclasses.fields(cls)})
 
     @classmethod
     def from_draft_config(cls, cfg: DFlashDraftConfig) -> DSparkHeadConfig:
@@ -70,9 +65,6 @@ class DSparkHeadConfig:
             raise ValueError(f"DSpark markov_head_type {head.markov_head_type!r} is not implemented: only vanilla is "
                              "(DeepSpec's gated and rnn heads are not); train or load a vanilla-head draft")
         return head
-
-    def to_extra(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 HEAD_KEYS = tuple(f.name for f in dataclasses.fields(DSparkHeadConfig))

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from dflash.dflash2 import DFlash2DraftModel, is_dflash2
-from dflash.domino import DominoDraftModel, is_domino
-from dflash.dspark import DSparkDraftModel, is_dspark
+from dflash.kinds.dflash2 import DFlash2DraftModel, is_dflash2
+from dflash.kinds.domino import DominoDraftModel, is_domino
+from dflash.kinds.dspark import DSparkDraftModel, is_dspark
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
 

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import DFlash2Settings
+from dflash.kinds.heads import HeadKeys
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, DraftLayer
 
@@ -40,18 +39,13 @@ ARCHITECTURE = "DFlash2DraftModel"
 
 
 @dataclass(frozen=True)
-class DFlash2HeadConfig:
+class DFlash2HeadConfig(HeadKeys):
     """The DFlash 2 keys of `dflash_config` (published names; their presence marks a DFlash 2 draft, as in SGLang)."""
 
     conv_kernel_size: int
     conv_group_size: int
     selector_rank: int
     selector_top_k: int
-
-    @classmethod
-    def from_settings(cls, s: DFlash2Settings) -> DFlash2HeadConfig:
-        """The head of the `dflash2` config section (the same field names; the loss settings stay with the objective)."""
-        return cls(**{f.name: getattr(s, f.name) for f in dataclasses.fields(cls)})
 
     @classmethod
     def from_draft_config(cls, cfg: DFlashDraftConfig) -> DFlash2HeadConfig:
@@ -72,9 +66,6 @@ class DFlash2HeadConfig:
         if problems:
             raise ValueError("invalid DFlash 2 draft config: " + "; ".join(problems))
         return head
-
-    def to_extra(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def is_dflash2(cfg: DFlashDraftConfig) -> bool:

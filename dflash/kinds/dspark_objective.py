@@ -1,6 +1,6 @@
 """The DSpark block objective: CE + L1 to the target's distribution + the confidence BCE, on fixed shapes.
 
-Layout (`dflash.dspark`): slot k = 0..bs-1 of the block anchored at a predicts y_k = input_ids[a + k + 1].
+Layout (`dflash.kinds.dspark`): slot k = 0..bs-1 of the block anchored at a predicts y_k = input_ids[a + k + 1].
 Block targets are DFlash's over bs + 1 positions (`dspark_block_targets`): index j is the token at a + j,
 j = 0 the anchor (never a target), j = k + 1 slot k's label, so the trainer, the metrics, the held-out
 chain and `accumulate` read them exactly as DFlash's. Validity is cut at the first invalid label
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.anchors import GlobalRows, sample_anchors
-from dflash.dspark import DSparkDraftModel
+from dflash.kinds.dspark import DSparkDraftModel
 from dflash.losses import (
     BlockTargets,
     accepted_prefix_length,
