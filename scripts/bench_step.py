@@ -63,8 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import CompileScope, Distributed, DominoSettings, TrainConfig  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
-from dflash.domino import DominoHeadConfig  # noqa: E402
-from dflash.drafts import draft_model_for_config  # noqa: E402
+from dflash.kinds.domino import DominoHeadConfig  # noqa: E402
+from dflash.kinds.drafts import draft_model_for_config  # noqa: E402
 from dflash.modeling import DFlashDraftConfig  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
