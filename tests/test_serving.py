@@ -25,6 +25,7 @@ from dflash.evaluation.serving import (
     SGLANG,
     SILENT_DEFAULTS,
     VLLM,
+    VLLM_DOMINO,
     check_serving_fields,
     draft_kind,
     format_serving,
@@ -224,6 +225,13 @@ PLANTED = {  # case: (kind, plant, the start of the one problem reported)
                                       "dflash_config.shift_label: 1 is not of JSON type bool"),
     "Domino GRU width missing": ("domino", _delete("dflash_config.gru_hidden_dim"),
                                  "dflash_config.gru_hidden_dim: missing"),
+    # The head's tensors under a config that does not name it: read as a DFlash draft, which vLLM would be given
+    "Domino head without its projector_type": ("domino", _delete("dflash_config.projector_type"),
+                                               "model.safetensors holds the Domino head (embed_proj.0.weight, "
+                                               "embed_proj.2.weight, prefix_gru.weight_hh_l0, prefix_gru.weight_ih_l0) "
+                                               "but dflash_config.projector_type is missing"),
+    "Domino head under another projector_type": ("domino", _set("dflash_config.projector_type", "Domino"),
+                                                 "model.safetensors holds the Domino head"),
     # DFlash 2: the conv and selector keys both engines read under dflash_config, and its explicit non-causality
     "DFlash 2 selector rank missing": (DFLASH2, _delete("dflash_config.selector_rank"),
                                        "dflash_config.selector_rank: missing"),
@@ -328,9 +336,22 @@ def test_commands_name_the_folder_and_the_block(target, tmp_path, block_size):
 def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
     commands = serving_commands(exports["domino"])
     assert set(commands) == {SGLANG} and commands[SGLANG].endswith("--dtype bfloat16")
-    text = format_serving(exports["domino"])
-    assert "# not servable with vLLM: its DFlash loader has no Domino head" in text
-    assert "an older one drops the Domino head silently" in text and "warning" not in text
+    lines = format_serving(exports["domino"]).splitlines()
+    # vLLM main has no Domino head (its doc claiming one is from the unmerged PR #47627): under a header naming
+    # the vLLM sources checked, a line saying why, with the loader's commit; SGLang's command under its own header.
+    name, checked = FAMILY_ENGINES[DOMINO][VLLM]
+    header = lines.index(f"# {name} (checked against {checked})")
+    assert "@036a00d1" in checked and "no Domino head" in checked
+    assert lines[header + 1] == f"# not servable with vLLM: {VLLM_DOMINO}"
+    assert all(s in VLLM_DOMINO for s in ("qwen3_dflash.py @036a00d1", "prefix_gru", "@331c781e", "PR #47627"))
+    assert lines[lines.index(f"# SGLang (checked against {ENGINES[SGLANG][1]})") + 1] == commands[SGLANG]
+    assert not any(line.startswith("vllm serve") for line in lines)
+    notes = [line for line in lines if line.startswith("note: ")]
+    assert any("an older one drops the Domino head silently" in n for n in notes)
+    assert any("unmerged PRs (#47627 closed, #48241 open)" in n for n in notes)
+    assert not any(line.startswith("warning") for line in lines)
+    # and the table claims no vLLM reader for a Domino key
+    assert not any(VLLM in f.read_by for f in SERVING_FIELDS if f.kinds == (DOMINO,))
 
 
 # What each engine's count means for the kind: DFlash 2 queries one trained block like DFlash (the bonus token, then

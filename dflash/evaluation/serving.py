@@ -9,10 +9,13 @@ Block size: both engines draft one trained block per step (the last verified tok
 and propose block_size - 1 tokens: vLLM takes that count (`num_speculative_tokens`, never read from
 the config), SGLang the block size (`--speculative-num-draft-tokens`, else the config's `block_size`).
 
-Domino (`dflash_config.projector_type: domino`): vLLM's DFlash loader has no Domino head and refuses
-the extra tensors (`AutoWeightsLoader`: "no module or parameter named"): no vLLM command. SGLang builds
-with `speculative/domino_utils.py` read the head (strict `prefix_gru.*` / `embed_proj.*` loading, bf16,
-`pure_draft_prefix_len` 1); older ones skip unknown tensor names and would serve the backbone alone.
+Domino (`dflash_config.projector_type: domino`): no vLLM command. vLLM main has no Domino head: its DFlash loader
+(`qwen3_dflash.py` @036a00d1) loads `prefix_gru.*` / `embed_proj.*` as `model.*` and `AutoWeightsLoader` refuses them
+("no module or parameter named"), and `"method": "dflash"` builds the plain `DFlashSpeculator` (@01af92e1, @00746147).
+vLLM's `docs/features/speculative_decoding/dflash.md` @331c781e, which says vLLM loads Domino drafts, comes from PR
+#47627, closed unmerged (`VLLM_DOMINO`). SGLang builds with `speculative/domino_utils.py` read the head (strict
+`prefix_gru.*` / `embed_proj.*` loading, bf16, `pure_draft_prefix_len` 1); older ones skip unknown tensor names and
+would serve the backbone alone. Head tensors under a config without `projector_type: domino` are reported.
 
 DFlash 2 (`DFlash2DraftModel`) rides both engines' DFlash path (vLLM `"method": "dflash"`, SGLang `DFLASH`), with the
 DFlash counts: the convs run over one block, vLLM's of 1 + num_speculative_tokens query tokens, SGLang's of
@@ -35,7 +38,7 @@ from safetensors import safe_open
 
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, exported_folder
 from dflash.kinds.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
-from dflash.kinds.domino import PROJECTOR_TYPE
+from dflash.kinds.domino import DOMINO_WEIGHT_NAMES, PROJECTOR_TYPE
 from dflash.kinds.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 
 VLLM, SGLANG = "vllm", "sglang"
@@ -45,7 +48,9 @@ KINDS = (DFLASH, DOMINO, DFLASH2, DSPARK)
 # model_executor/models/qwen3_dflash.py @036a00d1, v1/spec_decode/dflash.py @01046b9a, config/speculative.py
 # @002e77c1, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @0cfdd2e1 (method dflash: in 0.18.2 already); SGLang
 # srt/models/dflash.py @7f151c5e, speculative/dflash_utils.py @00731f0b, speculative/dflash_worker.py
-# @0468412f, arg_groups/speculative_hook.py @004c82e0, speculative/domino_utils.py @04d4c1ae.
+# @0468412f, arg_groups/speculative_hook.py @004c82e0, speculative/domino_utils.py @04d4c1ae. Domino on vLLM:
+# qwen3_dflash.py @036a00d1, v1/worker/gpu/spec_decode/__init__.py @01af92e1, dflash/speculator.py @47bd6d7c and
+# @00746147, config/speculative.py @47bd6d7c: no Domino head, dispatch or method; docs/.../dflash.md @331c781e (PR #47627).
 ENGINES: dict[str, tuple[str, str]] = {
     VLLM: ("vLLM", "vllm-project/vllm main @036a00d1, the v0.29.0 DFlash loader"),
     SGLANG: ("SGLang", "sgl-project/sglang main @7f151c5e; Domino: domino_utils.py @04d4c1ae"),
@@ -58,6 +63,9 @@ ENGINES: dict[str, tuple[str, str]] = {
 # #52816; the index holds no copy at @47bd6d7c); SGLang srt/models/dflash.py `DFlash2DraftModel` (PR #35371, a
 # stored version the index names no commit of), dflash_utils.py @00731f0b, speculative/dflash_worker_v2.py @0057abea.
 FAMILY_ENGINES: dict[str, dict[str, tuple[str, str]]] = {
+    DOMINO: {VLLM: ("vLLM", "vllm-project/vllm qwen3_dflash.py @036a00d1, dflash/speculator.py @47bd6d7c and "
+                            "@00746147: no Domino head"),
+             SGLANG: ENGINES[SGLANG]},
     DFLASH2: {VLLM: ("vLLM", "vllm-project/vllm qwen3_dflash2.py + dflash2/speculator.py @030da624, PR #52816"),
               SGLANG: ("SGLang", "sgl-project/sglang DFlash2DraftModel, PR #35371: dflash_utils.py @00731f0b, "
                                  "dflash_worker_v2.py @0057abea")},
@@ -65,6 +73,10 @@ FAMILY_ENGINES: dict[str, dict[str, tuple[str, str]]] = {
              SGLANG: ("SGLang", "sgl-project/sglang @37e23874: models/dspark.py; dspark_config.py @01f47623, "
                                 "speculative_hook.py @004c82e0")},
 }
+# Why vLLM gets no Domino line (module doc): what vLLM main lacks, and where the doc saying otherwise comes from.
+VLLM_DOMINO = ("vLLM main has no Domino head: qwen3_dflash.py @036a00d1 loads prefix_gru.* / embed_proj.* as model.* "
+               "and AutoWeightsLoader refuses them; dflash.md @331c781e (Domino under method dflash) is from PR #47627, "
+               "closed unmerged")
 BOTH = (VLLM, SGLANG)
 TARGET_PLACEHOLDER = '"$TARGET"'  # a shell variable: the command stays pasteable, the note says what to set
 
@@ -140,7 +152,7 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
                  "non-empty, ascending (engines concatenate captures in layer order), < num_target_layers",
                  lambda v, c: bool(v) and v == sorted(set(v)) and 0 <= v[0] and v[-1] < c["num_target_layers"]),
     ServingField("dflash_config.projector_type", str, "domino: the draft carries the Domino correction head "
-                 "(SGLang builds with domino_utils.py; vLLM refuses)", PROJECTOR_TYPE,
+                 "(SGLang builds with domino_utils.py; vLLM main has none and refuses it)", PROJECTOR_TYPE,
                  lambda v, c: v == PROJECTOR_TYPE, read_by=(SGLANG,), kinds=(DOMINO,)),
     ServingField("dflash_config.shift_label", bool, "which backbone slot proposes token j: slot j (true) or j + 1",
                  ok=None, read_by=(SGLANG,), kinds=(DOMINO,)),
@@ -258,6 +270,11 @@ def check_serving_fields(export_dir: str | Path) -> list[str]:
         problems.append(f"dflash_config.block_size = {nested!r} differs from block_size {config.get('block_size')!r}")
     with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    head, projector = sorted(DOMINO_WEIGHT_NAMES & set(shapes)), _get(config, "dflash_config.projector_type")
+    if head and kind != DOMINO:  # the engines pick the Domino head by projector_type alone
+        problems.append(f"{WEIGHTS_NAME} holds the Domino head ({', '.join(head)}) but dflash_config.projector_type "
+                        f"is {'missing' if projector is _MISSING else repr(projector)}, not {PROJECTOR_TYPE!r}: "
+                        "SGLang builds no head from it, vLLM main refuses the tensors")
     for name, (want, why) in (_built_shapes(config, kind) if fields_ok else {}).items():
         got = shapes.get(name)
         if name == "fc.weight" and got != want:
@@ -361,6 +378,9 @@ def _notes(config: dict[str, Any], kind: str) -> list[str | None]:
     if kind == DOMINO:
         notes.append("SGLang needs a build with Domino support (python/sglang/srt/speculative/domino_utils.py); "
                      "an older one drops the Domino head silently and serves the backbone alone")
+        notes.append("vLLM has Domino only in unmerged PRs (#47627 closed, #48241 open), not checked here: #47627 "
+                     "drafts token 0 at step pure_draft_prefix_len and #48241 leaves that step uncorrected, while "
+                     "dflash trains every proposal from pure_draft_prefix_len on corrected")
     if kind == DFLASH2:
         notes += ["vLLM needs a build with DFlash 2 (PR #52816: DFlash2DraftModel in its registry, served by the V2 "
                   "model runner it selects for one), SGLang one with PR #35371; an older one refuses the export",
@@ -385,8 +405,7 @@ def format_serving(export_dir: str | Path) -> str:
                                                                               DSPARK: "; a DSpark draft"}.get(kind, ""))]
     for engine, (name, checked) in engines_for(config).items():
         lines.append(f"# {name} (checked against {checked})")
-        lines.append(commands.get(engine) or f"# not servable with {name}: its DFlash loader has no Domino head "
-                     "(prefix_gru/embed_proj) and refuses the export")
+        lines.append(commands.get(engine) or f"# not servable with {name}: {VLLM_DOMINO}")
     lines += [f"note: {n}" for n in _notes(config, kind) if n]
     lines += [f"warning: {p}" for p in check_serving_fields(export_dir)]
     return "\n".join(lines)
