@@ -320,7 +320,9 @@ class TrainConfig:
         for key, value in pairs:
             cfg.set(key, value)
         given = {key for key, _ in pairs}
-        unset = {"draft.block_size": 7} if cfg.draft.kind == "dspark" else {}  # DeepSpec's published DSpark blocks
+        # Published blocks: DeepSpec's DSpark drafts (7); z-lab's and SpecForge's Qwen DFlash 2 drafts (8)
+        published = {"dspark": 7, "dflash2": 8}.get(cfg.draft.kind)
+        unset = {"draft.block_size": published} if published else {}
         if presets and cfg.target == "embedded":
             unset.update(embedded_preset(cfg.device, given))  # the embedded budget (its block size too) wins
         for key, value in unset.items():

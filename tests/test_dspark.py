@@ -64,7 +64,8 @@ def test_config_keys_defaults_and_refusals():
         "confidence_alpha": 1.0}
     block = lambda *o, presets=False: TrainConfig.from_sources(None, list(o), presets=presets).draft.block_size  # noqa: E731
     assert block("draft.kind=dspark") == 7 and block("draft.kind=dspark", "draft.block_size=5") == 5
-    assert block() == 16 and block("draft.kind=dflash2") == 16  # other kinds keep their default
+    assert block() == 16 and block("draft.kind=domino") == 16  # DFlash and Domino keep their default
+    assert block("draft.kind=dflash2") == 8 and block("draft.kind=dflash2", "draft.block_size=16") == 16
     assert block("draft.kind=dspark", "device=cpu", presets=True) == 4  # the embedded CPU budget's blocks win
     for bad, message in [(["dspark.markov_rank=0"], "markov_rank must be >= 1"),
                          (["dspark.loss_decay_gamma=0"], "loss_decay_gamma must be > 0"),
