@@ -160,28 +160,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, compiled):  # noqa: D401
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, compiled, top_k):  # noqa: D401
         needs_grad = hidden.requires_grad
         chunk = _compiled_ce_chunk() if compiled else _ce_chunk
         rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        top = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             logits = head_logits(hidden[start:end], weight)  # [c, V] in the head's dtype
+            if top_k:  # before the chunk, which may write its softmax over these logits
+                top[start:end] = logits.topk(top_k, dim=-1).indices
             rows[start:end], correct[start:end], grad_logits = chunk(logits, labels[start:end],
                                                                      token_weights[start:end], needs_grad)
             if needs_grad:
                 grad_hidden[start:end] = (grad_logits @ weight).to(hidden.dtype)
         if needs_grad:
             ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(correct)
-        return rows, correct
+        ctx.mark_non_differentiable(correct, top)
+        return rows, correct, top
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_correct):
+    def backward(ctx, grad_rows, grad_correct, grad_top):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_rows.to(grad_hidden.dtype).unsqueeze(-1), None, None, None, None, None
+        return grad_hidden * grad_rows.to(grad_hidden.dtype).unsqueeze(-1), None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -205,9 +208,20 @@ def linear_cross_entropy(
         (loss_sum `[]` fp32 (or `[T]` with `per_row`), differentiable w.r.t. hidden; correct `[T]` bool,
         detached).
     """
-    rows, correct = _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size,
-                                              compiled)
+    rows, correct, _ = _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size,
+                                                 compiled, 0)
     return (rows if per_row else rows.sum()), correct
+
+
+def linear_cross_entropy_topk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
+                              k: int, chunk_size: int = 4096, compiled: bool = False
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_cross_entropy`'s (loss_sum, correct) and the indices `[T, k]` of each token's k largest head
+    logits, taken from the logits the CE's chunk loop forms anyway (DFlash 2's candidates): one pass of the
+    head over the tokens fewer than a separate top-k."""
+    rows, correct, top = _LinearCrossEntropy.apply(hidden, weight.detach(), labels, token_weights.float(), chunk_size,
+                                                   compiled, k)
+    return rows.sum(), correct, top
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:

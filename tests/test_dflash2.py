@@ -21,7 +21,7 @@ from dflash.factory import build_draft, build_objective
 from dflash.hf.module import DFlashTrainingModule
 from dflash.kinds.dflash2 import DFlash2DraftModel, GroupedDynamicConv, dflash2_weight_names
 from dflash.kinds.dflash2_objective import DFlash2Objective
-from dflash.losses import block_targets
+from dflash.losses import block_targets, linear_cross_entropy, linear_cross_entropy_topk
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
 from dflash.trainer import DFlashTrainer
@@ -174,6 +174,25 @@ def _grads(obj, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     obj.draft.zero_grad(set_to_none=True)
     loss.backward()
     return {n: p.grad.clone() for n, p in obj.draft.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_candidates_come_from_the_ce_chunks_unchanged(dtype):
+    """The top-K taken inside the CE's chunk loop equals a separate top-K of the head's logits, and the CE is
+    `linear_cross_entropy`'s. Chunks of 7 over 30 tokens; zero weights and gold tokens inside the top-K, where a
+    top-K read after the chunk wrote its gradient over fp32 logits would differ."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(30, 16, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).to(dtype)
+    weights = (torch.rand(30, generator=g) > 0.4).float()
+    expected_top = (hidden.detach().float() @ weight.float().t()).to(dtype).topk(5, dim=-1).indices
+    labels = expected_top[:, 0].clone()  # every gold is a candidate
+    loss, correct, top = linear_cross_entropy_topk(hidden, weight, labels, weights, 5, chunk_size=7)
+    ref_loss, ref_correct = linear_cross_entropy(hidden, weight, labels, weights, chunk_size=7)
+    assert torch.equal(top, expected_top) and torch.equal(correct, ref_correct)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    loss.backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("gold, width, alpha", [("strict", None, 1.0), ("insert", None, 0.7), ("strict", 3, 0.5),

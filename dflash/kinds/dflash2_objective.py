@@ -5,9 +5,10 @@ window denominator (the trainer divides by the window's global weight sum) uncha
 
     loss_sum = sum w * CE_unary + alpha * sum w * counted * CE_selector
 
-* CE_unary: the chunked CE of the unary logits U = W_lm h (`losses.linear_cross_entropy`).
-* Candidates C = top-K of U, computed chunked without gradient (indices only); their logits are then
-  recomputed with gradient from the gathered head rows (`candidate_logits`), never a `[T, V]` tensor.
+* CE_unary: the chunked CE of the unary logits U = W_lm h (`losses.linear_cross_entropy_topk`).
+* Candidates C = top-K of U, taken (indices only) from the logits the CE's chunk loop forms anyway, so the
+  head runs over the scored states once for both; their logits are then recomputed with gradient from the
+  gathered head rows (`candidate_logits`), never a `[T, V]` tensor.
 * S(p, c) = U(c) + sum_r A[p, r] (P h)_r B[c, r], the predecessor p teacher-forced: the anchor token for
   slot 1, else the previous slot's label (the data token where that slot is not supervised).
 * CE_selector = -log softmax_K(S(p, .))[gold]. `selector_gold: strict` (SpecForge): counted = gold in C,
@@ -28,19 +29,9 @@ from typing import Any
 import torch
 
 from dflash.kinds.dflash2 import DFlash2DraftModel
-from dflash.losses import BlockTargets, accepted_prefix_length, head_logits, linear_cross_entropy, teacher_tokens
+from dflash.losses import BlockTargets, accepted_prefix_length, linear_cross_entropy_topk, teacher_tokens
 from dflash.objective import BlockOutput, DFlashObjective
 from dflash.target.frozen import Target
-
-
-@torch.no_grad()
-def linear_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: int = 4096) -> torch.Tensor:
-    """Indices `[T, k]` of the k largest logits of `hidden` `[T, H]` through a head `[V, H]`, chunked over tokens."""
-    out = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk_size):
-        end = min(start + chunk_size, hidden.shape[0])
-        out[start:end] = head_logits(hidden[start:end], weight).topk(k, dim=-1).indices
-    return out
 
 
 class _CandidateLogits(torch.autograd.Function):
@@ -93,10 +84,9 @@ class DFlash2Objective(DFlashObjective):
         super().__init__(target, draft, **kwargs)
         self.selector_alpha, self.selector_gold = selector_alpha, selector_gold
 
-    def selector_candidates(self, flat: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def selector_candidates(self, top: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(candidates for the loss `[T, K]`, gold's index in them `[T]`, gold in the strict top-K `[T]` bool,
-        selector loss counted `[T]` bool) for scored states `flat` `[T, H]` and labels `gold` `[T]`."""
-        top = linear_topk(flat.detach(), self.target.lm_head_weight, self.draft.top_k, self.ce_chunk_size)
+        selector loss counted `[T]` bool) from the unary top-K `top` `[T, K]` and the labels `gold` `[T]`."""
         match = top == gold.unsqueeze(-1)  # [T, K]
         found = match.any(dim=-1)
         index = match.int().argmax(dim=-1)  # gold's rank where found (0 elsewhere: not counted, or replaced below)
@@ -117,9 +107,9 @@ class DFlash2Objective(DFlashObjective):
         flat = scored.reshape(-1, scored.shape[-1])  # [T, H]
         gold, weights = labels[..., 1:].reshape(-1), targets.weights[..., 1:].reshape(-1)
         valid = targets.valid[..., 1:]
-        unary_sum, base_correct = linear_cross_entropy(flat, self.target.lm_head_weight, gold, weights,
-                                                       self.ce_chunk_size, compiled=self.compile_loss)
-        candidates, index, found, counted = self.selector_candidates(flat, gold)
+        unary_sum, base_correct, top = linear_cross_entropy_topk(flat, self.target.lm_head_weight, gold, weights,
+                                                                 draft.top_k, self.ce_chunk_size, self.compile_loss)
+        candidates, index, found, counted = self.selector_candidates(top, gold)
         # Predecessor of slot k: the token at a + k - 1 as teacher forcing reads it (slot 1: the anchor token).
         predecessor = teacher_tokens(input_ids, anchors, labels, targets.valid, self.block_size - 1).reshape(-1)
         with torch.autocast(input_ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
