@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash.cli.features as features_command
-from conftest import make_tiny_target, tiny_config
+from conftest import DOMINO_HEAD, make_tiny_target, tiny_config
 from dflash.cli.main import main
 from dflash.config import TrainConfig
 from dflash.data.corpus import training_data
@@ -47,13 +47,15 @@ def _train(trainer: DFlashTrainer, batches: list[dict]) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("labels", ["data", "target"])
-def test_offline_training_equals_online_step_for_step(labels, tokenizer, tmp_path):
+@pytest.mark.parametrize("labels, head", [("data", {}), ("target", {}), ("data", DOMINO_HEAD)],
+                         ids=["data", "target", "domino"])
+def test_offline_training_equals_online_step_for_step(labels, head, tokenizer, tmp_path):
     """Same seed, same rows in the same batches (grad_accum 2, so the features are split into micro-batches
-    too): the losses and the final weights of a run from fp32 feature files equal the online run's."""
+    too): the losses and the final weights of a run from fp32 feature files equal the online run's (a DFlash
+    draft with either labels, and a Domino draft)."""
     model, rows = make_tiny_target(head_std=0.05), make_rows()
     settings = dict(target="tiny", data__labels=labels, optim__grad_accum=2, batch_size=2, data__max_length=32,
-                    data__bucket_multiple=16, spec_eval_prompts=0)
+                    data__bucket_multiple=16, spec_eval_prompts=0, **head)
     online = DFlashTrainer(tiny_config(**settings), target=model, tokenizer=tokenizer)
     root = tmp_path / "features"
     write_features(FrozenTarget(model, online.draft_config.target_layer_ids), "tiny", rows, root / TRAIN_PART,
