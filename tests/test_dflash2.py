@@ -10,7 +10,6 @@ import torch
 
 import conftest as fixtures
 from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
-from dflash.anchors import sample_anchors
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
@@ -21,8 +20,7 @@ from dflash.factory import build_draft, build_objective
 from dflash.hf.module import DFlashTrainingModule
 from dflash.kinds.dflash2 import DFlash2DraftModel, GroupedDynamicConv, dflash2_weight_names
 from dflash.kinds.dflash2_objective import DFlash2Objective
-from dflash.losses import block_targets, linear_cross_entropy, linear_cross_entropy_topk
-from dflash.metrics import Metrics
+from dflash.losses import linear_cross_entropy, linear_cross_entropy_topk
 from dflash.modeling import DFlashDraftModel
 from dflash.trainer import DFlashTrainer
 
@@ -218,37 +216,6 @@ def test_dflash2_objective_equals_the_per_position_reference(gold, width, alpha)
         top = want[name].abs().max()
         assert top > 0, name  # every weight, the convs' and the selector's too, gets a gradient
         torch.testing.assert_close(g, want[name].to(g.dtype), rtol=1e-4, atol=1e-5 * top.item(), msg=name)
-
-
-def test_gradient_accumulation_equals_one_big_batch():
-    """Two micro-batches (each with its own top-K and selector loss) give the gradient and the metrics of their
-    concatenation under the global token mean (the window's weight sum divides every micro-batch's loss_sum)."""
-    batch = random_batch(batch=4, seed=1)
-    batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
-    obj = _objective()
-    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
-    g = torch.Generator().manual_seed(0)
-    plans = [sample_anchors(h["loss_mask"], obj.num_anchors, generator=g) for h in halves]
-    whole = tuple(torch.cat([p[i] for p in plans]) for i in range(2))
-    grads, metrics = [], []
-    for micro, parts in (([batch], [whole]), (halves, plans)):
-        window = [(m["input_ids"], anchors, keep, block_targets(m["input_ids"], m["loss_mask"], anchors, keep, BS, obj.gamma))
-                  for m, (anchors, keep) in zip(micro, parts, strict=True)]
-        denominator = sum(targets.weights.sum() for *_, targets in window)
-        obj.draft.zero_grad(set_to_none=True)
-        m = Metrics(BS, "cpu", obj.metrics_variant)
-        for ids, anchors, keep, targets in window:
-            out = obj(ids, anchors, keep, targets)
-            (out.loss_sum / denominator).backward()
-            obj.accumulate(m, out, keep, targets)
-        grads.append({n: p.grad.clone() for n, p in obj.draft.named_parameters()})
-        metrics.append(m.flush())
-    for key in ("loss", "selector_loss", "accuracy", "tau", "base_tau", "candidate_recall", "selector_accuracy"):
-        assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
-    assert 0 < metrics[0]["candidate_recall"] < 1
-    for name, grad in grads[0].items():
-        assert grad.abs().max() > 0, name
-        torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-7, msg=name)
 
 
 # ---- the training step -----------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from dflash.factory import build_draft, build_objective, check_dspark_support
 from dflash.hf.module import DFlashTrainingModule
 from dflash.kinds.dspark import TARGET_COPY_NAMES, DSparkDraftModel, dspark_weight_names
 from dflash.kinds.dspark_objective import DSparkObjective, dspark_block_targets
-from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel
 from dflash.report.sinks import read_history
 from dflash.trainer import DFlashTrainer
@@ -230,41 +229,6 @@ def test_no_gradient_work_under_no_grad_and_the_same_numbers():
         without = obj(ids, anchors, keep, targets)
     assert without.loss_sum.grad_fn is None
     torch.testing.assert_close(without.loss_sum, with_grad.loss_sum.detach(), rtol=0, atol=0)
-
-
-def test_gradient_accumulation_equals_one_big_batch():
-    """Two micro-batches give the gradient and the metrics of their concatenation under the global token mean
-    (the window's weight sum divides every micro-batch's loss_sum)."""
-    batch = random_batch(batch=4, seed=1)
-    batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
-    batch["loss_mask"][3, 17] = False
-    obj = _objective()
-    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
-    g = torch.Generator().manual_seed(0)
-    plans = [sample_anchors(h["loss_mask"], obj.num_anchors, generator=g) for h in halves]
-    whole = tuple(torch.cat([p[i] for p in plans]) for i in range(2))
-    grads, metrics = [], []
-    for micro, parts in (([batch], [whole]), (halves, plans)):
-        window = [(m["input_ids"], anchors, keep,
-                   dspark_block_targets(m["input_ids"], m["loss_mask"], anchors, keep, BS, obj.gamma))
-                  for m, (anchors, keep) in zip(micro, parts, strict=True)]
-        denominator = sum(targets.weights.sum() for *_, targets in window)
-        obj.draft.zero_grad(set_to_none=True)
-        m = Metrics(BS, "cpu", obj.metrics_variant)
-        for ids, anchors, keep, targets in window:
-            out = obj(ids, anchors, keep, targets)
-            (out.loss_sum / denominator).backward()
-            obj.accumulate(m, out, keep, targets)
-        grads.append({n: p.grad.clone() for n, p in obj.draft.named_parameters()})
-        metrics.append(m.flush())
-    for key in ("loss", "dspark_loss", "l1_loss", "confidence_loss", "accuracy", "tau", "base_accuracy", "base_tau",
-                "mean_confidence", "mean_acceptance"):
-        assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
-    assert len(metrics[0]["per_position_accuracy"]) == BS  # every slot proposes
-    assert metrics[0]["dspark_loss"] > 0 and 0 < metrics[0]["mean_acceptance"] < 1
-    for name, grad in grads[0].items():
-        assert grad.abs().max() > 0, name
-        torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-7, msg=name)
 
 
 # ---- the training step -----------------------------------------------------------------------------

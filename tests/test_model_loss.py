@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DOMINO_HEAD, TINY_MASK_ID, make_tiny_target, random_batch, tiny_config
+from conftest import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import sample_anchors
 from dflash.losses import accepted_prefix_length, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics
@@ -228,19 +228,36 @@ def test_tiny_draft_overfits_a_fixed_batch():
     assert losses[1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("overrides, metrics", [
-    ({"draft__position_weights": "decay"}, ("loss", "accuracy")),
-    ({"draft__position_weights": "dpace"}, ("loss", "accuracy")),
-    ({**DOMINO_HEAD, "domino__lambda_start": 0.5}, ("loss", "base_loss", "lambda", "accuracy", "base_tau")),
-], ids=["dflash-decay", "dflash-dpace", "domino"])
-def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics):
+def _dflash2_recall_is_partial(m: dict) -> bool:
+    return 0 < m["candidate_recall"] < 1
+
+
+def _dspark_every_slot_proposes(m: dict) -> bool:
+    return len(m["per_position_accuracy"]) == 4 and m["dspark_loss"] > 0 and 0 < m["mean_acceptance"] < 1
+
+
+@pytest.mark.parametrize("overrides, metrics, check", [
+    ({"draft__position_weights": "decay"}, ("loss", "accuracy"), None),
+    ({"draft__position_weights": "dpace"}, ("loss", "accuracy"), None),
+    ({**DOMINO_HEAD, "domino__lambda_start": 0.5}, ("loss", "base_loss", "lambda", "accuracy", "base_tau"), None),
+    (DFLASH2_HEAD, ("loss", "selector_loss", "accuracy", "tau", "base_tau", "candidate_recall", "selector_accuracy"),
+     _dflash2_recall_is_partial),
+    ({"draft__kind": "dspark", "dspark__markov_rank": 8}, ("loss", "dspark_loss", "l1_loss", "confidence_loss",
+     "accuracy", "tau", "base_accuracy", "base_tau", "mean_confidence", "mean_acceptance"), _dspark_every_slot_proposes),
+], ids=["dflash-decay", "dflash-dpace", "domino", "dflash2", "dspark"])
+def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics, check):
     """Global token normalization: 2 micro-batches give the same update as their concatenation (D-PACE
     too: its weights come after each forward, its denominator, the supervised-slot count, before; Domino: both
-    terms of its loss mix)."""
+    terms of its loss mix; DFlash 2: each micro-batch its own top-K and selector loss; DSpark: its three terms)."""
     batch = random_batch(batch=4, seed=1)
     batch["loss_mask"][0, 10:] = False  # unequal supervised counts per micro-batch
+    batch["loss_mask"][3, 17] = False  # a hole: DSpark's validity cut ends that block there
     big = _trainer(optim__grad_accum=1, **overrides)
     acc = _trainer(optim__grad_accum=2, **overrides)
+    torch.manual_seed(0)
+    with torch.no_grad():  # every weight non-trivial: a fresh DFlash 2 selector's B = 0 would leave A and P no gradient
+        for p in big.draft.parameters():
+            p.add_(0.1 * torch.randn_like(p))
     acc.draft.load_state_dict(big.draft.state_dict())
     # same anchors: both draw per micro-batch row with the same generator stream
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
@@ -254,6 +271,7 @@ def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics)
         return plans[0] if torch.equal(loss_mask, halves[0]["loss_mask"]) else plans[1]
 
     monkeypatch.setattr("dflash.objective.sample_anchors", fixed)
+    monkeypatch.setattr("dflash.kinds.dspark_objective.sample_anchors", fixed)  # DSpark plans with its own targets
     for t in (big, acc):  # compare the accumulated gradients themselves (Adam's first step is ~sign(g))
         monkeypatch.setattr(t.optimizer, "step", lambda: None)
         monkeypatch.setattr(t.optimizer, "zero_grad", lambda set_to_none=True: None)
@@ -262,6 +280,7 @@ def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics)
     m_big, m_acc = big.metrics.flush(), acc.metrics.flush()
     for key in metrics:
         assert m_big[key] == pytest.approx(m_acc[key], rel=1e-5), key
+    assert check is None or check(m_big), m_big
     for (name, p), q in zip(big.draft.named_parameters(), acc.draft.parameters(), strict=True):
         assert p.grad.abs().max() > 0, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
