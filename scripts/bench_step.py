@@ -16,7 +16,9 @@ Configurations (all on random data):
 
 `--kind domino` builds a Domino draft (the backbone above plus the published Qwen3-8B Domino head:
 GRU 1024, emb_dim 256, pure_draft_prefix_len 1, shift_label true unless `--no-shift-label`; GRU 32 and
-emb_dim 16 on `tiny`) in every configuration. A flag that does not apply to the configuration or the
+emb_dim 16 on `tiny`) in every configuration; `--kind dflash2` / `--kind dspark` the DFlash 2 / DSpark heads
+at their published defaults (rank 256; the stand-in target also gives a random final hidden state for
+DSpark's L1 term), with the configuration's block size. A flag that does not apply to the configuration or the
 launch is an error (`check_flags`), never silently ignored.
 
 MFU is reported against the bf16 matmul peak measured in the same run (an 8192^3 product), two ways:
@@ -63,11 +65,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import CompileScope, Distributed, DominoSettings, TrainConfig  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
+from dflash.kinds.dflash2 import DFlash2HeadConfig  # noqa: E402
 from dflash.kinds.domino import DominoHeadConfig  # noqa: E402
 from dflash.kinds.drafts import draft_model_for_config  # noqa: E402
+from dflash.kinds.dspark import DSparkHeadConfig  # noqa: E402
 from dflash.modeling import DFlashDraftConfig  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
+
+HEADS = {"domino": DominoHeadConfig, "dflash2": DFlash2HeadConfig, "dspark": DSparkHeadConfig}  # kind -> its head keys
 
 
 @dataclass
@@ -108,8 +114,14 @@ class RandomFeatureTarget(nn.Module):
         self.register_buffer("lm_head_weight", (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(device, dtype))
         self.register_buffer("features", torch.randn(s.batch, s.seq, s.target_layers * s.hidden, generator=g).to(device, dtype))
 
+        # a final-normed last hidden state, for DSpark's L1 term (`LastHiddenTarget`)
+        self.register_buffer("last_hidden", torch.randn(s.batch, s.seq, s.hidden, generator=g).to(device, dtype))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.features[: input_ids.shape[0], : input_ids.shape[1]]
+
+    def features_and_last_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(input_ids), self.last_hidden[: input_ids.shape[0], : input_ids.shape[1]]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_weight)
@@ -182,8 +194,8 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
                                   target_layer_ids=layer_ids, mask_token_id=s.vocab - 1, num_hidden_layers=s.layers,
                                   num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
                                   intermediate_size=s.ffn, block_size=s.block)
-    if args.kind == "domino":
-        draft_cfg = dataclasses.replace(draft_cfg, extra=DominoHeadConfig.from_settings(cfg.domino).to_extra())
+    if args.kind in HEADS:  # the kind's head keys from its config section (`domino`, `dflash2`, `dspark`)
+        draft_cfg = dataclasses.replace(draft_cfg, extra=HEADS[args.kind].from_settings(getattr(cfg, args.kind)).to_extra())
     return DFlashTrainer(cfg, frozen_target=target, draft=draft_model_for_config(draft_cfg))
 
 
@@ -448,7 +460,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--distributed", choices=typing.get_args(Distributed),
                    help="under torchrun / accelerate launch: replicate (ddp, the default) or shard (fsdp2) the draft")
-    p.add_argument("--kind", choices=["dflash", "domino"], default="dflash", help="draft kind, in every configuration")
+    p.add_argument("--kind", choices=["dflash", *HEADS], default="dflash", help="draft kind, in every configuration")
     p.add_argument("--no-shift-label", dest="shift_label", action="store_false",
                    help="Domino: DFlash's same-position label layout instead of the published shift_label true")
     p.add_argument("--real-target", action="store_true", help="a random-weight Qwen3 target of the config's shape")

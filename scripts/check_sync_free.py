@@ -168,7 +168,7 @@ def main() -> int:
     p.add_argument("--tolerance", type=float, default=5e-3, help="max relative loss difference graph vs eager")
     p.add_argument("--distributed", choices=typing.get_args(Distributed), default="ddp",
                    help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
-    p.add_argument("--kind", choices=["dflash", "domino"], default="dflash",
+    p.add_argument("--kind", choices=["dflash", "domino", "dflash2", "dspark"], default="dflash",
                    help="draft kind (domino: the default Domino head, GRU 1024 and emb_dim 256 on a GPU)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()

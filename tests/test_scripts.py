@@ -37,7 +37,7 @@ def test_bench_step_tiny(tmp_path):
     assert stdout.strip().splitlines()[-1].startswith("bench tiny")
 
 
-@pytest.mark.parametrize("kind", ["dflash", "domino"])
+@pytest.mark.parametrize("kind", ["dflash", "domino", "dflash2", "dspark"])
 def test_bench_step_end_to_end_tiny(tmp_path, kind):
     """The end-to-end configuration's path (a real target forward, the draft through the factory, the sync
     count) on a tiny shape."""
@@ -59,6 +59,15 @@ def test_bench_step_random_features_builds_the_kind_asked_for(tmp_path, shift_la
     assert result["kind"] == "domino" and result["draft"] == "DominoDraftModel" and result["syncs"] == 0
     assert result["compile_loss"] is not shift_label
     assert stdout.strip().splitlines()[-1].startswith("bench tiny domino")
+
+
+@pytest.mark.parametrize("kind, draft", [("dflash2", "DFlash2DraftModel"), ("dspark", "DSparkDraftModel")])
+def test_bench_step_random_features_builds_the_newer_kinds(tmp_path, kind, draft):
+    """The stand-in target's path builds the kind's heads (DSpark also reads the stand-in's last hidden state)."""
+    run("scripts/bench_step.py", "--config", "tiny", "--kind", kind, "--steps", "2", "--warmup", "1", "--sync-check",
+        "--json", str(tmp_path / "k.json"))
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert (result["kind"], result["draft"], result["syncs"]) == (kind, draft, 0)
 
 
 @pytest.mark.parametrize("flags, message", [
