@@ -57,7 +57,6 @@ def test_config_keys_defaults_and_refusals():
                          (["dflash2.selector_top_k=0"], "selector_top_k must be >= 1"),
                          (["dflash2.conv_kernel_size=17"], "conv_kernel_size must be in"),
                          (["draft.kind=dflash2", "draft.position_weights=dpace"], "dpace is not implemented"),
-                         (["draft.kind=dflash2", "data.features=/tmp/x"], "offline features"),
                          (["draft.kind=dflash2", "tensor_parallel.size=2"], "tensor-parallel")]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_sources(None, bad, presets=False)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash.cli.features as features_command
-from conftest import DOMINO_HEAD, make_tiny_target, tiny_config
+from conftest import DFLASH2_HEAD, DOMINO_HEAD, make_tiny_target, tiny_config
 from dflash.cli.main import main
 from dflash.config import TrainConfig
 from dflash.data.corpus import training_data
@@ -47,12 +47,12 @@ def _train(trainer: DFlashTrainer, batches: list[dict]) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("labels, head", [("data", {}), ("target", {}), ("data", DOMINO_HEAD)],
-                         ids=["data", "target", "domino"])
+@pytest.mark.parametrize("labels, head", [("data", {}), ("target", {}), ("data", DOMINO_HEAD), ("target", DFLASH2_HEAD)],
+                         ids=["data", "target", "domino", "dflash2"])
 def test_offline_training_equals_online_step_for_step(labels, head, tokenizer, tmp_path):
     """Same seed, same rows in the same batches (grad_accum 2, so the features are split into micro-batches
     too): the losses and the final weights of a run from fp32 feature files equal the online run's (a DFlash
-    draft with either labels, and a Domino draft)."""
+    draft with either labels, a Domino draft, and a DFlash 2 draft on the target's greedy labels)."""
     model, rows = make_tiny_target(head_std=0.05), make_rows()
     settings = dict(target="tiny", data__labels=labels, optim__grad_accum=2, batch_size=2, data__max_length=32,
                     data__bucket_multiple=16, spec_eval_prompts=0, **head)
@@ -71,11 +71,18 @@ def test_offline_training_equals_online_step_for_step(labels, head, tokenizer, t
     assert all("features" in b and ("labels" in b) == (labels == "target") for b in offline_batches)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(online_batches, offline_batches, strict=True))
 
+    torch.manual_seed(0)
+    with torch.no_grad():  # every weight non-trivial (a fresh DFlash 2 selector's B = 0 gives A and P no gradient)
+        for p in online.draft.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    offline.draft.load_state_dict(online.draft.state_dict())
     online_losses, offline_losses = _train(online, online_batches), _train(offline, offline_batches)
     assert offline_losses == pytest.approx(online_losses, abs=1e-6)
     assert online_losses[0] != online_losses[-1]  # the weights did move
     for (name, a), (_, b) in zip(online.draft.state_dict().items(), offline.draft.state_dict().items(), strict=True):
-        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+        # DFlash 2: one weight element moved 2e-6 apart (AdamW's early updates, ~sign(g), amplify fp32 noise
+        # in a near-zero gradient: the top-K selector's losses agree to 1e-6 every step)
+        assert torch.allclose(a, b, atol=1e-5 if head is DFLASH2_HEAD else 1e-6, rtol=0), name
 
 
 def _settings(target: Path, data: Path, cache: Path, *extra: str) -> list[str]:
