@@ -276,8 +276,6 @@ class TrainConfig:
             (not (is_d2 and self.draft.position_weights == "dpace"),
              "draft.position_weights: dpace is not implemented for DFlash 2 drafts (the selector loss takes the "
              "planned position weights): use decay or none"),
-            (not (is_d2 and self.tensor_parallel.size > 1),
-             "draft.kind: dflash2 does not support a tensor-parallel target yet (untested): set tensor_parallel.size: 1"),
         ]
 
     # ---- construction -------------------------------------------------------------------------

@@ -56,8 +56,7 @@ def test_config_keys_defaults_and_refusals():
     for bad, message in [(["dflash2.selector_gold=maybe"], "selector_gold must be one of"),
                          (["dflash2.selector_top_k=0"], "selector_top_k must be >= 1"),
                          (["dflash2.conv_kernel_size=17"], "conv_kernel_size must be in"),
-                         (["draft.kind=dflash2", "draft.position_weights=dpace"], "dpace is not implemented"),
-                         (["draft.kind=dflash2", "tensor_parallel.size=2"], "tensor-parallel")]:
+                         (["draft.kind=dflash2", "draft.position_weights=dpace"], "dpace is not implemented")]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_sources(None, bad, presets=False)
 

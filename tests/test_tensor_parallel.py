@@ -206,7 +206,8 @@ def test_batch_halves_split_even_batches_only():
 
 def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks, monkeypatch):
     """tp = 2 on 2 ranks (each its 2 rows, the target run once on the group's 4) = one process on the
-    4 rows: gradients (DDP-averaged over both ranks) and metrics, for data labels and target labels."""
+    4 rows: gradients (DDP-averaged over both ranks) and metrics, for data labels and target labels, and for a
+    DFlash 2 draft (its top-K and candidate logits through the TP target's head)."""
     batch, anchors, keep = fixed_plan()
     monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
     for labels, overrides in LABELS.items():
@@ -219,7 +220,9 @@ def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks,
         for rank, results in ranks.items():
             two = results["training"][labels]
             for name, p in one.draft.named_parameters():  # observed (fp32): max abs 3.6e-7, 7e-7 of the tensor max
-                torch.testing.assert_close(two["grads"][name], p.grad, rtol=1e-4, atol=1e-7, msg=f"{labels} {rank} {name}")
+                # DFlash 2's perturbed weights give gradients up to ~6: fp32 noise up to 1.6e-6 of the tensor max
+                atol = 1e-5 * float(p.grad.abs().max()) if labels == "dflash2" else 1e-7
+                torch.testing.assert_close(two["grads"][name], p.grad, rtol=1e-4, atol=atol, msg=f"{labels} {rank} {name}")
             for key in ("loss", "accuracy", "tau", "supervised_tokens", "anchors_kept"):
                 assert two["metrics"][key] == pytest.approx(single[key], rel=1e-5), (labels, rank, key)
 

@@ -25,7 +25,7 @@ from dist_worker import fixed_plan
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash.objective as objective_module
-from conftest import continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
+from conftest import DFLASH2_HEAD, continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
 from dflash.evaluation.evaluate import run_eval
@@ -34,8 +34,9 @@ from dflash.target.tensor_parallel import TensorParallelTarget, target_parameter
 from dflash.target.tp_decode import decode_session
 from dflash.trainer import DFlashTrainer
 
-# The equality runs: `data.labels` values, each a trainer config override.
-LABELS = {"data": {}, "target": {"data__labels": "target"}}
+# The equality runs, each a trainer config override: a DFlash 2 draft, then both `data.labels` values (the last
+# run's trainer serves the checks after them).
+LABELS = {"dflash2": {**DFLASH2_HEAD, "data__labels": "target"}, "data": {}, "target": {"data__labels": "target"}}
 # The sampled-anchors run: 3 anchors per row of up to 31 valid positions, drawn by the trainer itself.
 SAMPLED = {"draft__num_anchors": 3}
 
@@ -49,6 +50,11 @@ def one_step(overrides: dict[str, Any], *, fixed: bool = True) -> tuple[DFlashTr
     batch, anchors, keep = fixed_plan()
     rows = slice(2 * rank, 2 * rank + 2)
     mine = {k: v[rows] for k, v in batch.items()}
+    if trainer.config.draft.kind == "dflash2":  # a fresh selector's B = 0 would give A and P no gradient
+        g = torch.Generator().manual_seed(0)  # every rank alike
+        with torch.no_grad():
+            for p in trainer.draft.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g).to(p))
     init = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
     real = objective_module.sample_anchors, trainer.optimizer.step, trainer.optimizer.zero_grad
     if fixed:
