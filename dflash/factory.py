@@ -60,8 +60,6 @@ def check_dspark_support(config: TrainConfig) -> None:
          "three-term loss): use decay or none"),
         (bool(config.data.features), f"{no} offline features (data.features): its L1 term reads the target's final-norm "
          "last hidden state, which feature files do not hold; run the target online (data.features=null)"),
-        (config.tensor_parallel.size > 1, f"{no} a tensor-parallel target yet (the last hidden state is not gathered "
-         "there; untested): set tensor_parallel.size: 1"),
     ] if bad]
     if config.draft.kind == "dspark" and problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))

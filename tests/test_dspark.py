@@ -75,8 +75,7 @@ def test_config_keys_defaults_and_refusals():
                          (["dspark.ce_alpha=0", "dspark.l1_alpha=0"], "nothing trains the drafts"),
                          (["draft.loss_decay_gamma=3"], "leave draft.loss_decay_gamma at auto"),
                          (["draft.position_weights=dpace"], "dpace"),
-                         (["data.features=/tmp/x"], "offline features .*data.features=null"),
-                         (["tensor_parallel.size=2"], "tensor-parallel .*tensor_parallel.size: 1")]:
+                         (["data.features=/tmp/x"], "offline features .*data.features=null")]:
         cfg = TrainConfig.from_sources(None, ["draft.kind=dspark", *bad], presets=False)
         with pytest.raises(ValueError, match=message):
             check_dspark_support(cfg)

@@ -206,10 +206,12 @@ def test_batch_halves_split_even_batches_only():
 
 def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks, monkeypatch):
     """tp = 2 on 2 ranks (each its 2 rows, the target run once on the group's 4) = one process on the
-    4 rows: gradients (DDP-averaged over both ranks) and metrics, for data labels and target labels, and for a
-    DFlash 2 draft (its top-K and candidate logits through the TP target's head)."""
+    4 rows: gradients (DDP-averaged over both ranks) and metrics, for data labels and target labels, for a
+    DFlash 2 draft (its top-K and candidate logits through the TP target's head) and a DSpark draft (the TP
+    target's final hidden state for its L1 term)."""
     batch, anchors, keep = fixed_plan()
     monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
+    monkeypatch.setattr("dflash.kinds.dspark_objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
     for labels, overrides in LABELS.items():
         one = DFlashTrainer(tiny_config(**overrides), target=make_tiny_target())
         one.draft.load_state_dict(ranks[0]["training"][labels]["init"])  # DDP broadcast rank 0's

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dist_worker import fixed_plan
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import dflash.kinds.dspark_objective as dspark_module
 import dflash.objective as objective_module
 from conftest import DFLASH2_HEAD, continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
 from dflash.config import TrainConfig
@@ -34,9 +35,10 @@ from dflash.target.tensor_parallel import TensorParallelTarget, target_parameter
 from dflash.target.tp_decode import decode_session
 from dflash.trainer import DFlashTrainer
 
-# The equality runs, each a trainer config override: a DFlash 2 draft, then both `data.labels` values (the last
-# run's trainer serves the checks after them).
-LABELS = {"dflash2": {**DFLASH2_HEAD, "data__labels": "target"}, "data": {}, "target": {"data__labels": "target"}}
+# The equality runs, each a trainer config override: a DFlash 2 and a DSpark draft, then both `data.labels` values
+# (the last run's trainer serves the checks after them).
+LABELS = {"dflash2": {**DFLASH2_HEAD, "data__labels": "target"}, "dspark": {"draft__kind": "dspark", "dspark__markov_rank": 8},
+          "data": {}, "target": {"data__labels": "target"}}
 # The sampled-anchors run: 3 anchors per row of up to 31 valid positions, drawn by the trainer itself.
 SAMPLED = {"draft__num_anchors": 3}
 
@@ -57,14 +59,16 @@ def one_step(overrides: dict[str, Any], *, fixed: bool = True) -> tuple[DFlashTr
                 p.add_(0.1 * torch.randn(p.shape, generator=g).to(p))
     init = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
     real = objective_module.sample_anchors, trainer.optimizer.step, trainer.optimizer.zero_grad
-    if fixed:
-        objective_module.sample_anchors = lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows])
+    if fixed:  # DSpark plans through its own module's name for the sampler
+        objective_module.sample_anchors = dspark_module.sample_anchors = (
+            lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows]))
     trainer.optimizer.step = lambda: None
     trainer.optimizer.zero_grad = lambda set_to_none=True: None
     try:
         trainer.train_step(mine)
     finally:
         objective_module.sample_anchors, trainer.optimizer.step, trainer.optimizer.zero_grad = real
+        dspark_module.sample_anchors = real[0]
     grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters()}
     trainer.optimizer.zero_grad()
     return trainer, {"grads": grads, "metrics": trainer.metrics.flush(), "init": init}

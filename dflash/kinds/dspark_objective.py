@@ -196,8 +196,8 @@ class DSparkObjective(DFlashObjective):
                             "dflash.factory.build_draft and draft.kind: dspark, or load a DSpark export)")
         if not isinstance(target, LastHiddenTarget):
             raise TypeError(f"a DSpark objective reads the target's final-norm last hidden state: {type(target).__name__} "
-                            "does not give it (a dflash.target.frozen.FrozenTarget does; offline features and a "
-                            "tensor-parallel target do not)")
+                            "does not give it (FrozenTarget and the tensor-parallel GroupBatchTarget do; offline "
+                            "features do not)")
         if kwargs.get("position_weights", "decay") not in ("decay", "none"):
             raise ValueError("DSpark's position weights are decay or none (D-PACE is not implemented for its loss)")
         super().__init__(target, draft, **kwargs)

@@ -320,12 +320,19 @@ class TensorParallelTarget(SharedHead, nn.Module):
         return self.hidden_states(input_ids, rows=rows)[0]
 
     @torch.no_grad()
+    def features_and_last_hidden(self, input_ids: torch.Tensor,
+                                 rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features `[b, S, K*H]` and the final-normed last hidden state `[b, S, H]` of rows `rows`, from one
+        run of every layer (as `FrozenTarget.features_and_last_hidden`)."""
+        return self.hidden_states(input_ids, rows=rows, all_layers=True)
+
+    @torch.no_grad()
     def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024,
                             rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and the target's greedy next-token labels `[b, S]` of rows `rows` (as
         `FrozenTarget.features_and_greedy`: `labels[:, p]` = argmax of the logits at p - 1, position 0
         keeps its token). The LM head is whole, so only the kept rows' logits are computed."""
-        feats, last = self.hidden_states(input_ids, rows=rows, all_layers=True)
+        feats, last = self.features_and_last_hidden(input_ids, rows)
         return feats, greedy_labels(input_ids[rows or slice(None)], last, self.lm_head_weight, chunk)
 
     features = forward

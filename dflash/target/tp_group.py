@@ -75,4 +75,13 @@ class GroupBatchTarget(SharedHead, nn.Module):
         feats, greedy = group_features(self.target, self._padded(input_ids), greedy=True, chunk=chunk)
         return feats[:, :seq], greedy[:, :seq]
 
+    @torch.no_grad()
+    def features_and_last_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features `[b, S, K*H]` and the final-normed last hidden state `[b, S, H]` of this rank's `input_ids`
+        `[b, S]`, from one TP forward over the group batch (DSpark's L1 term reads it)."""
+        seq = input_ids.shape[1]
+        everything = gather_group_batch(self._padded(input_ids), self.target.group)
+        feats, last = self.target.features_and_last_hidden(everything, own_rows(input_ids.shape[0], self.target.group))
+        return feats[:, :seq], last[:, :seq]
+
     features = forward
