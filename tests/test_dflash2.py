@@ -12,7 +12,6 @@ import conftest as fixtures
 from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
-from dflash.diagnostics import forbid_syncs
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
 from dflash.evaluation.serving import format_serving, serving_commands
@@ -22,7 +21,6 @@ from dflash.kinds.dflash2 import DFlash2DraftModel, GroupedDynamicConv, dflash2_
 from dflash.kinds.dflash2_objective import DFlash2Objective
 from dflash.losses import linear_cross_entropy, linear_cross_entropy_topk
 from dflash.modeling import DFlashDraftModel
-from dflash.trainer import DFlashTrainer
 
 BS = 4
 
@@ -214,23 +212,6 @@ def test_dflash2_objective_equals_the_per_position_reference(gold, width, alpha)
         top = want[name].abs().max()
         assert top > 0, name  # every weight, the convs' and the selector's too, gets a gradient
         torch.testing.assert_close(g, want[name].to(g.dtype), rtol=1e-4, atol=1e-5 * top.item(), msg=name)
-
-
-# ---- the training step -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_dflash2_training_steps_make_no_sync(compiled):
-    trainer = DFlashTrainer(tiny_config(**DFLASH2_HEAD, optim__grad_accum=2, compile=compiled), target=make_tiny_target())
-    batch = random_batch(batch=4)
-    trainer.train_step(batch)  # compiles outside the region (the first step builds the graphs)
-    with forbid_syncs(raise_on_first=False) as report:
-        for _ in range(3):
-            trainer.train_step(batch)
-    assert report.findings == [], report
-    metrics = trainer.metrics.flush()
-    assert 0 < metrics["candidate_recall"] <= 1 and metrics["selector_loss"] > 0
-    assert {"base_tau", "base_accuracy", "selector_accuracy", "tau"} <= set(metrics)
 
 
 # ---- export and decoding ---------------------------------------------------------------------------

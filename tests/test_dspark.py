@@ -16,7 +16,6 @@ from conftest import TINY_MASK_ID, TINY_VOCAB, check_speculative_report, make_ti
 from dflash.anchors import sample_anchors
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
-from dflash.diagnostics import forbid_syncs
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
 from dflash.evaluation.serving import format_serving, serving_commands
@@ -231,21 +230,6 @@ def test_no_gradient_work_under_no_grad_and_the_same_numbers():
 
 
 # ---- the training step -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_dspark_training_steps_make_no_sync(compiled):
-    trainer = DFlashTrainer(tiny_config(**DSPARK, optim__grad_accum=2, compile=compiled), target=make_tiny_target())
-    assert isinstance(trainer.objective, DSparkObjective)
-    batch = random_batch(batch=4)
-    trainer.train_step(batch)  # compiles outside the region (the first step builds the graphs)
-    with forbid_syncs(raise_on_first=False) as report:
-        for _ in range(3):
-            trainer.train_step(batch)
-    assert report.findings == [], report
-    metrics = trainer.metrics.flush()
-    assert metrics["dspark_loss"] > 0 and metrics["l1_loss"] > 0 and metrics["confidence_loss"] > 0
-    assert {"base_tau", "base_accuracy", "mean_confidence", "mean_acceptance", "tau"} <= set(metrics)
 
 
 def test_a_short_training_run_lowers_the_loss_and_exports_a_dspark_draft(tmp_path, target):
