@@ -53,6 +53,10 @@ EMBEDDED_GPU: dict[str, Any] = {
     "draft.num_anchors": 64,
     "batch_size": 32,
     "data.max_length": 512,
+    # Padded lengths of 128, 256, 384 and 512, not eight multiples of 64: a cold run compiles each padded
+    # length once (about 25 s each on an H200, docs/benchmarks.md), and the draft's cost is mostly its
+    # N * block query tokens, so padding the context up to 63 more tokens costs little.
+    "data.bucket_multiple": 128,
     "data.eval_size": 64,
     "data.regenerate_max_new_tokens": 256,
     # The first three user messages of every training conversation, each asked as a single-turn prompt

@@ -90,6 +90,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """This process's peak allocated memory on `device` since it started (None off CUDA): the caching
+    allocator's own counter, read on the host, so no device sync."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": bf16 on a GPU, fp32 on the CPU; else the named dtype (`DTYPES`)."""
     if name == "auto":

@@ -61,7 +61,7 @@ from dflash.run.state import (
     rng_state,
 )
 from dflash.run.stopping import NonFiniteError, NonFiniteWatch, StopRequest
-from dflash.runtime import DTYPES, check_run_settings, init_distributed, resolve_device, resolve_dtype
+from dflash.runtime import DTYPES, check_run_settings, init_distributed, peak_memory_bytes, resolve_device, resolve_dtype
 from dflash.target.frozen import Target
 
 Batch = dict[str, torch.Tensor]
@@ -379,7 +379,7 @@ class DFlashTrainer:
                 watch.poll()  # one process: the device's consecutive-skip count, read as it lands (no wait)
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps or watch.tripped:
                     last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
-                                          self.world_size)
+                                          self.world_size, peak_memory_bytes(self.device))
                     last_flush_step = self.step  # SYNC POINT above: the log interval
                     self._record(reporter, last)
                     progress.set_postfix_str(progress_postfix(last))
@@ -400,7 +400,7 @@ class DFlashTrainer:
                     self.save()
             if self.step != last_flush_step and not stop.requested:  # the time budget ended a window early
                 partial = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
-                                         self.world_size)
+                                         self.world_size, peak_memory_bytes(self.device))
                 self._record(reporter, {**partial, "partial_window": True})  # logged, marked: plots leave it out
                 last = last or partial  # the summary keeps the last full window when there is one
         finally:

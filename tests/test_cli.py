@@ -53,6 +53,7 @@ def test_gpu_preset_trains_a_compiled_domino_draft_and_the_cpu_preset_dflash():
     cores; a user's kind wins over both, and D-PACE on the GPU default names the fix."""
     gpu = TrainConfig.from_sources(None, ["device=cuda"])
     assert (gpu.draft.kind, gpu.compile) == ("domino", True)
+    assert -(-gpu.data.max_length // gpu.data.bucket_multiple) <= 4  # a cold run compiles each padded length
     cpu = TrainConfig.from_sources(None, ["device=cpu"])
     assert (cpu.draft.kind, cpu.compile) == ("dflash", False)
     assert TrainConfig.from_sources(None, ["device=cuda", "draft.kind=dflash"]).draft.kind == "dflash"

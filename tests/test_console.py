@@ -135,3 +135,5 @@ def test_launch_banner_and_summary_table(monkeypatch):
         "training    loss 2.0000 | accuracy 0.500 | tau 1.500 | 2,000 tokens/s over 2 ranks (1,000 per rank)",
         "checkpoint  c",
         "summary     runs/x/summary.json"]
+    on_gpu = console.summary_table({"steps": 5, "train": {"tau": 1.5, "tokens_per_s": 2000.0, "peak_memory_gib": 14.76}})
+    assert on_gpu.splitlines()[1].endswith("| 2,000 tokens/s | peak 14.8 GiB")

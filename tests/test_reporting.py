@@ -43,6 +43,8 @@ def test_throughput_is_input_tokens_per_second_over_all_ranks_and_per_rank():
                                       "(500 per rank)")
     one = window_metrics(flushed, elapsed=2.0, tokens=1000)
     assert format_line(4, 8, one) == "step 4/8 | loss 1.0000 | tau 1.200 | tokens/s 500"
+    on_gpu = window_metrics(flushed, elapsed=2.0, tokens=1000, peak_bytes=3 * 2**29)  # a GPU run: its peak memory
+    assert format_line(4, 8, on_gpu) == "step 4/8 | loss 1.0000 | tau 1.200 | tokens/s 500 | peak GiB 1.5"
 
 
 def test_held_out_rows_outnumbering_training_rows_warn():

@@ -347,3 +347,19 @@ def test_speculative_prompts_are_distinct_and_skips_are_counted(caplog):
     late_system = chat(("assistant", "hi"), ("system", "Be brief."), ("user", "Why not?"))
     (ids,) = prompt_ids(CharTokenizer(), [late_system], num_prompts=1)
     assert "".join(map(chr, ids)) == "uWhy not?"
+
+
+def test_decoding_runs_a_draft_compiled_in_place_eagerly(target):
+    """`compile: true` compiles the draft's layers in place; decoding (a new context length every round) must
+    not recompile them at each length (it did on an H200, inside the timed decoding of a run's final eval)."""
+    from torch._dynamo.utils import counters
+
+    from dflash.run.compiling import compile_draft_call
+
+    draft = _draft(target)
+    compile_draft_call(draft.forward, draft.layers, "layers")
+    torch._dynamo.reset()
+    before = counters["frames"]["total"]
+    report = sp.evaluate_speculative(target, draft, _prompts(2), max_new_tokens=6, stop_token_ids=[])
+    assert report["new_tokens"] == 12
+    assert counters["frames"]["total"] == before, "decoding called into dynamo: the draft's layers were compiled"

@@ -224,6 +224,11 @@ def _cut_at_stop(tokens: list[int], stops: set[int]) -> list[int]:
     return tokens
 
 
+# Decoding runs eagerly even when the trainer compiled the draft's layers in place (`compile: true`): the
+# context grows by a few tokens every round, so a compiled layer would recompile at each new length until
+# dynamo's limit (on an H200, 23 s of recompiles inside the timed decoding of a run's final evaluation,
+# docs/benchmarks.md), and the speed-up would count them.
+@torch.compiler.set_stance("force_eager")
 def speculative_generate(
     target_model: nn.Module,
     draft: DFlashDraftModel,

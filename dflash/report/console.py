@@ -192,7 +192,8 @@ def summary_table(summary: dict[str, Any], summary_path: Any = None) -> str:
     train = summary.get("train") or {}
     if train:
         rows.append(("training", f"loss {_fmt(train.get('loss'), '.4f')} | accuracy {_fmt(train.get('accuracy'), '.3f')}"
-                                 f" | tau {_fmt(train.get('tau'), '.3f')} | {throughput(train)}"))
+                                 f" | tau {_fmt(train.get('tau'), '.3f')} | {throughput(train)}"
+                                 + (f" | peak {train['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in train else "")))
     held = summary.get("held_out")
     if held:
         rows.append(("held-out", f"loss {_fmt(held.get('loss'), '.4f')} | accuracy {_fmt(held.get('accuracy'), '.3f')}"

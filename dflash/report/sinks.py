@@ -23,26 +23,30 @@ def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}/{max_steps}"]
     for key, fmt in (("loss", ".4f"), ("accuracy", ".3f"), ("tau", ".3f"), ("lr", ".2e"), ("grad_norm", ".3f"),
                      ("tokens_per_s", ",.0f"), ("eval_tau", ".3f"), ("eval_chain_tau", ".3f"), ("eval_accuracy", ".3f"),
-                     ("nonfinite_skips", ".0f")):
+                     ("nonfinite_skips", ".0f"), ("peak_memory_gib", ".1f")):
         if key in metrics and (key != "nonfinite_skips" or metrics[key]):
-            label = "tokens/s" if key == "tokens_per_s" else key
+            label = {"tokens_per_s": "tokens/s", "peak_memory_gib": "peak GiB"}.get(key, key)
             parts.append(f"{label} {metrics[key]:{fmt}}" if metrics[key] is not None else f"{label} n/a")
             if key == "tokens_per_s" and metrics.get("ranks", 1) > 1 and metrics.get("tokens_per_s_per_rank"):
                 parts[-1] += f" over {metrics['ranks']} ranks ({metrics['tokens_per_s_per_rank']:,.0f} per rank)"
     return " | ".join(parts)
 
 
-def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int, world_size: int = 1) -> dict[str, Any]:
+def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int, world_size: int = 1,
+                   peak_bytes: int | None = None) -> dict[str, Any]:
     """A flushed window as it is logged: throughput added, and the loss None when no update of the window
     was finite (skipped and empty steps add no supervised weight; 0.0 would read as a perfect draft).
 
     One unit, input tokens per second (the rows of every batch at their padded length): `tokens_per_s`
     over all ranks (this rank's count times `world_size`: every rank takes as many rows per step, each
     batch padded to its own bucket, so it is within the buckets' spread) and `tokens_per_s_per_rank`;
-    `supervised_tokens_per_s` counts the supervised tokens of all ranks (exact: a flushed sum)."""
+    `supervised_tokens_per_s` counts the supervised tokens of all ranks (exact: a flushed sum).
+    `peak_bytes` (this rank's peak device memory so far, GPU only) is logged as `peak_memory_gib`."""
     per_rank = tokens / elapsed
     out = {**flushed, "tokens_per_s": per_rank * world_size, "tokens_per_s_per_rank": per_rank, "ranks": world_size,
            "supervised_tokens_per_s": flushed["supervised_tokens"] / elapsed}
+    if peak_bytes is not None:
+        out["peak_memory_gib"] = peak_bytes / 2**30
     if out.get("loss") == 0.0 and (out.get("nonfinite_skips") or out.get("empty_windows")):
         out.update({k: None for k in ("loss", "base_loss") if k in out})
     return out
