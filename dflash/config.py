@@ -17,12 +17,12 @@ from typing import Any, Literal
 
 import yaml
 
+from dflash.kinds.settings import DFlash2Settings, DominoSettings, DSparkSettings
 from dflash.presets import embedded_preset
 
 # The choices of a key are its type: `_convert` refuses others when a key is set, `validate` when a field
 # was assigned in code, both from the Literal (`choice_errors`), and `dflash config` lists them.
 Kind = Literal["dflash", "domino", "dflash2", "dspark"]
-SelectorGold = Literal["strict", "insert"]  # DFlash 2: the selector loss where the gold token is not a candidate
 Attention = Literal["auto", "sdpa", "flex"]
 PositionWeights = Literal["decay", "dpace", "none"]
 Labels = Literal["data", "target"]
@@ -31,6 +31,7 @@ ComputeDtype = Literal["auto", "float32", "bfloat16"]
 ParamDtype = Literal["float32", "bfloat16"]
 Sink = Literal["wandb", "tensorboard"]
 CompileScope = Literal["layers", "step"]  # regional (each decoder layer) or the whole draft call
+Optimizer = Literal["adamw", "muon"]
 
 
 @dataclass
@@ -61,47 +62,6 @@ class DraftSettings:
 
 
 @dataclass
-class DominoSettings:
-    """Domino correction head (used when `draft.kind: domino`); names follow the published config."""
-
-    emb_dim: int = 256  # low-rank width of [backbone hidden || GRU state] -> emb_dim -> SiLU -> vocab
-    gru_hidden_dim: int = 1024
-    pure_draft_prefix_len: int = 1  # slots before suffix_start get no correction
-    shift_label: bool = False  # label layout of the published checkpoints (see dflash.kinds.domino)
-    lambda_start: float = 1.0  # weight of the base CE at step 0; falls linearly to 0
-    decay_ratio: float = 0.5  # ... over decay_ratio * max_steps
-    scheduled_sampling: float = 0.0  # fraction of GRU inputs taken from the draft's own base predictions
-
-
-@dataclass
-class DFlash2Settings:
-    """DFlash 2 convolutions and candidate selector (used when `draft.kind: dflash2`); published key names."""
-
-    conv_kernel_size: int = 2  # taps of the dynamic causal conv over the block positions
-    conv_group_size: int = 16  # channels that share one dynamic coefficient (the hidden size must divide by it)
-    selector_rank: int = 256  # rank of the selector's bilinear predecessor/successor score
-    selector_top_k: int = 16  # candidates the selector ranks at each slot (top-K of the draft's logits)
-    selector_alpha: float = 1.0  # weight of the selector loss next to the unary CE
-    # Selector loss where the gold token is not among the top-K: strict (none, SpecForge) or insert (the
-    # weakest candidate replaced by the gold, vLLM speculators #1006; for the loss only)
-    selector_gold: SelectorGold = "strict"
-
-
-@dataclass
-class DSparkSettings:
-    """DSpark Markov and confidence heads and loss (`draft.kind: dspark`; what it refuses: `factory.check_dspark_support`)."""
-
-    markov_rank: int = 256  # rank r of the Markov head: logits + W2 W1[previous token], W1 and W2 [vocab, r]
-    markov_head_type: str = "vanilla"  # only vanilla is implemented (DeepSpec's gated and rnn heads are refused)
-    enable_confidence_head: bool = True  # train the acceptance-probability head (it never changes the drafted tokens)
-    confidence_head_with_markov: bool = True  # the confidence head reads [h; W1[previous token]] (false: h only)
-    loss_decay_gamma: float | None = 4.0  # position decay exp(-k / gamma) of slot k = 0..bs-1 (null: none)
-    ce_alpha: float = 0.1  # weight of the CE against the data token
-    l1_alpha: float = 0.9  # weight of ||p_draft - p_target||_1 over the full vocabulary at T = 1 (twice the TV)
-    confidence_alpha: float = 1.0  # weight of the confidence head's BCE against the soft acceptance 1 - L1 / 2
-
-
-@dataclass
 class OptimSettings:
     lr: float = 6e-4
     weight_decay: float = 0.0
@@ -112,6 +72,8 @@ class OptimSettings:
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     grad_accum: int = 1
+    # adamw (fused) | muon: Muon at the same lr (RMS-matched) for the decoder layers' and fc's matrices, AdamW for the rest
+    optimizer: Optimizer = "adamw"
 
 
 @dataclass
@@ -245,6 +207,8 @@ class TrainConfig:
              "spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens >= 1"),
             (self.data.max_length >= self.draft.block_size + 1, "data.max_length must exceed draft.block_size"),
             (self.data.bucket_multiple >= 1, "data.bucket_multiple must be >= 1"),
+            (self.optim.optimizer != "muon" or self.distributed != "fsdp2", "optim.optimizer: muon orthogonalizes each "
+             "whole matrix, which distributed: fsdp2 shards: use distributed: ddp, or optim.optimizer: adamw"),
             (self.data.eval_size >= 0, "data.eval_size must be >= 0"),
             (self.data.limit is None or self.data.limit >= 1, "data.limit must be >= 1"),
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),

@@ -133,8 +133,7 @@ class DFlashTrainer:
         self.step = 0  # host mirror, advanced without reading the device
         self.step_t = torch.zeros((), dtype=torch.float32, device=self.device)
         self.lr = torch.full((), config.optim.lr, dtype=torch.float32, device=self.device)
-        self.optimizer = build_optimizer((p for p in self.draft.parameters() if p.requires_grad), config.optim,
-                                         self.lr, capturable=config.cuda_graph)
+        self.optimizer = build_optimizer(self.draft, config.optim, self.lr, capturable=config.cuda_graph)
         self.lr.copy_(self._lr_at(self.step_t))
         self.objective.bind_schedule(self.step_t, config.max_steps)  # Domino's lambda follows the device counter
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)

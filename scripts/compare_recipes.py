@@ -11,7 +11,8 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
 Variants: regen (the default: the target's regenerated replies), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
 domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
-dflash2 and dspark (those draft kinds), graph (`cuda_graph: true`), fp8 (`fp8: true`), fixed-width
+dflash2 and dspark (those draft kinds), graph (`cuda_graph: true`), fp8 (`fp8: true`), muon and muon-lr3x
+(`optim.optimizer: muon`, at the preset's lr and at 3e-3), fixed-width
 (`draft.anchor_widths=1`: no host-bounded width). Each row also gives the training throughput of its
 last log window, the peak accelerator memory and the number of CUDA graphs captured.
 """
@@ -43,6 +44,8 @@ VARIANTS: dict[str, list[str]] = {
     "dflash2": ["draft.kind=dflash2"],  # DFlash 2: block convolutions and the candidate selector
     "dspark": ["draft.kind=dspark"],  # DSpark: the Markov and confidence heads, slot k predicts a + k + 1
     "fp8": ["fp8=true"],  # float8 GEMMs in the draft's linear layers (torchao): its quality cost, same steps
+    "muon": ["optim.optimizer=muon"],  # Muon for the layers' and fc's matrices at the same (RMS-matched) lr
+    "muon-lr3x": ["optim.optimizer=muon", "optim.lr=3e-3"],  # ... at three times the CPU preset's lr
 }
 
 

@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed, sample_anchors
 from dflash.cli.main import main
-from dflash.config import TrainConfig
+from dflash.config import OptimSettings, TrainConfig
 from dflash.data.loader import Collator
 from dflash.diagnostics import DFlashSyncWarning, SyncProbe, per_step_sync_settings
 from dflash.evaluation.export import load_exported
@@ -366,6 +366,8 @@ def test_trainconfig_keys_that_trainingarguments_runs_must_agree_with_it(tmp_pat
     assert defaults.seed == 11  # TrainConfig left seed at its default: TrainingArguments' seed draws the anchors
     assert config_conflicts(TrainConfig(device="cuda:0"), _args(tmp_path)) == [
         "device='cuda:0', but TrainingArguments.device=device(type='cpu')"]
+    (muon,) = config_conflicts(TrainConfig(optim=OptimSettings(optimizer="muon")), _args(tmp_path))
+    assert muon.startswith("optim.optimizer='muon', but TrainingArguments.optim=")  # the Trainer runs its own optimizer
 
     plain = _module()
     plain.train_config.max_steps = 50

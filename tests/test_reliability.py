@@ -46,11 +46,12 @@ def fresh_trainer(cfg, dataset=None):
     return DFlashTrainer(cfg, target=make_tiny_target(), dataset=dataset if dataset is not None else tokenized_rows())
 
 
-def test_sigterm_saves_cleanly_and_resume_is_bit_identical(tmp_path, monkeypatch):
-    straight = fresh_trainer(run_config(tmp_path / "a"))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: its momentum buffers are saved and restored too
+def test_sigterm_saves_cleanly_and_resume_is_bit_identical(tmp_path, monkeypatch, optimizer):
+    straight = fresh_trainer(run_config(tmp_path / "a", optim__optimizer=optimizer))
     straight.fit()
 
-    interrupted = fresh_trainer(run_config(tmp_path / "b"))
+    interrupted = fresh_trainer(run_config(tmp_path / "b", optim__optimizer=optimizer))
     original = interrupted.train_step
 
     def step_then_sigterm(batch):
@@ -65,7 +66,7 @@ def test_sigterm_saves_cleanly_and_resume_is_bit_identical(tmp_path, monkeypatch
     assert find_latest(tmp_path / "b").name == "step-00000003"
     assert signal.getsignal(signal.SIGTERM) == handler_before  # the run's handler is removed again
 
-    resumed = fresh_trainer(run_config(tmp_path / "b", resume_from="latest"))
+    resumed = fresh_trainer(run_config(tmp_path / "b", resume_from="latest", optim__optimizer=optimizer))
     resumed.fit()
     for (name, p), q in zip(straight.draft.named_parameters(), resumed.draft.parameters(), strict=True):
         assert torch.equal(p, q), name  # bit-identical on CPU
@@ -421,12 +422,13 @@ def test_warm_start_from_an_exported_draft(tmp_path):
     assert torch.equal(warm.draft.fc.weight, bf16) and warm.step == 0
 
 
-def test_graph_warm_up_leaves_the_optimizer_state_allocated_and_as_it_was():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_graph_warm_up_leaves_the_optimizer_state_allocated_and_as_it_was(optimizer):
     """Before a CUDA-graph capture, warm-up steps allocate gradients and AdamW's state and are then undone
     in place. The capture must find the state already there (otherwise it records its lazy creation and
     every replay zeroes the moments and the step count again) and equal to what it was: zero in a fresh
     run, the loaded values in a resumed one. The lr tensor the schedule updates must still be the group's."""
-    trainer = fresh_trainer(tiny_config())
+    trainer = fresh_trainer(tiny_config(optim__optimizer=optimizer))
     batch = [random_batch()]
     weights = {k: v.clone() for k, v in trainer.draft.state_dict().items()}
     trainer._step_graphs().warm_up(batch)
@@ -439,7 +441,7 @@ def test_graph_warm_up_leaves_the_optimizer_state_allocated_and_as_it_was():
     assert float(trainer.step_t) == 0 and trainer.optimizer.param_groups[0]["lr"] is trainer.lr
 
     # The first real step after warm-up equals a fresh trainer's first step: warm-up left no trace.
-    reference = fresh_trainer(tiny_config())
+    reference = fresh_trainer(tiny_config(optim__optimizer=optimizer))
     for t in (trainer, reference):
         t._step(batch, reseed=True)
     for (name, p), q in zip(trainer.draft.named_parameters(), reference.draft.parameters(), strict=True):

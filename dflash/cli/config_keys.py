@@ -1,9 +1,9 @@
 """`dflash config`: every configuration key with its default, type and one-line meaning.
 
-The meanings are the comments next to (or just above) each field in `dflash/config.py`, read from its
-source, so the listing cannot drift from the code; the few fields without a comment get theirs from
-`_MEANINGS` here. Defaults are `TrainConfig()`'s; the embedded target's presets (`dflash.presets`),
-which fill the keys a user leaves unset, are listed after the table.
+The meanings are the comments next to (or just above) each field in `dflash/config.py` (the kinds' own
+settings in `dflash/kinds/settings.py`), read from its source, so the listing cannot drift from the code;
+the few fields without a comment get theirs from `_MEANINGS` here. Defaults are `TrainConfig()`'s; the
+embedded target's presets (`dflash.presets`), which fill the keys a user leaves unset, are listed after the table.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _MEANINGS = {
     "output_dir": "the run folder: config.yaml, metrics.jsonl, checkpoints/, export/, summary.json",
     "draft.intermediate_size": "draft FFN width (None: the target's)",
     "draft.dpace_alpha": "D-PACE smoothing of the draft's confidence (position_weights: dpace)",
-    "optim.lr": "peak learning rate (AdamW, fused)",
+    "optim.lr": "peak learning rate (AdamW; Muon's matrices at the same lr, RMS-matched)",
     "optim.weight_decay": "AdamW weight decay",
     "optim.beta1": "AdamW beta1",
     "optim.beta2": "AdamW beta2",

@@ -33,7 +33,7 @@ TRAINER_OWNS = {
     "optim.beta2": "adam_beta2", "optim.eps": "adam_epsilon", "optim.max_grad_norm": "max_grad_norm",
     "optim.grad_accum": "gradient_accumulation_steps", "optim.warmup_ratio": "warmup_steps",
     "optim.min_lr_ratio": "lr_scheduler_kwargs", "max_steps": "max_steps", "batch_size": "per_device_train_batch_size",
-    "seed": "seed", "device": "device",
+    "seed": "seed", "device": "device", "optim.optimizer": "optim",
 }
 
 
@@ -238,6 +238,8 @@ def _agrees(key: str, mine: Any, args: Any) -> bool:
         theirs = theirs if theirs < 1 else theirs / max(args.max_steps, 1)
     if key == "optim.min_lr_ratio":  # the stock schedule's floor: lr_scheduler_type="cosine_with_min_lr"
         theirs = (theirs or {}).get("min_lr_rate", 0.0) if "min_lr" in str(args.lr_scheduler_type) else 0.0
+    if key == "optim.optimizer":  # only the default (AdamW) is what a stock TrainingArguments.optim also runs
+        return mine == "adamw" and "adamw" in str(theirs)
     if isinstance(mine, float) or isinstance(theirs, float):
         return math.isclose(float(mine), float(theirs), rel_tol=1e-9, abs_tol=1e-12)
     return mine == theirs

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dflash.config import flatten
 from dflash.kinds.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
+from dflash.optim import DraftOptimizers
 from dflash.run.checkpoint import CheckpointError
 
 _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -125,12 +126,18 @@ def full_draft_state(draft: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(draft, options=_SAVE)
 
 
-def full_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _parts(optimizer: torch.optim.Optimizer | DraftOptimizers) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """What `torch.distributed.checkpoint.state_dict` takes: one optimizer, or Muon's and AdamW's as a list."""
+    return optimizer.parts if isinstance(optimizer, DraftOptimizers) else optimizer
+
+
+def full_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer | DraftOptimizers) -> dict[str, Any]:
     """The optimizer's full state on the CPU, keyed by parameter name (a collective, as above)."""
-    return get_optimizer_state_dict(draft, optimizer, options=_SAVE)
+    return get_optimizer_state_dict(draft, _parts(optimizer), options=_SAVE)
 
 
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter tensors, each the parameter's shape
+# AdamW's and Muon's per-parameter tensors, each the parameter's shape
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
 def check_loaded_state(path: Any, draft: nn.Module, draft_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
@@ -164,7 +171,7 @@ def check_loaded_state(path: Any, draft: nn.Module, draft_state: dict[str, Any],
                                 f"{tuple(param.shape)} {param.dtype}")
             elif not torch.isfinite(moment).all():
                 problems.append(f"optimizer {key} of {name} holds non-finite values")
-            elif key != "exp_avg" and (moment < 0).any():
+            elif key in ("exp_avg_sq", "max_exp_avg_sq") and (moment < 0).any():  # second moments only
                 problems.append(f"optimizer {key} of {name} holds negative values")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -176,12 +183,12 @@ def load_draft_state(draft: nn.Module, state: dict[str, torch.Tensor]) -> None:
     set_model_state_dict(draft, state, options=_LOAD)
 
 
-def load_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_optimizer_state(draft: nn.Module, optimizer: torch.optim.Optimizer | DraftOptimizers, state: dict[str, Any]) -> None:
     """Load a full optimizer state written by `full_optimizer_state`, then give every param group back
     its own lr tensor: loading replaces it by a copy, and the trainer's schedule writes the original
     in place (so the step reads its lr from the device, never from the host)."""
     lrs = [group["lr"] for group in optimizer.param_groups]
-    set_optimizer_state_dict(draft, optimizer, state, options=_LOAD)
+    set_optimizer_state_dict(draft, _parts(optimizer), state, options=_LOAD)
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
 
