@@ -120,6 +120,9 @@ def build_optimizer(draft: nn.Module, settings: OptimSettings, lr: torch.Tensor,
     CUDA-graph replay), or with `settings.optimizer == "muon"` Muon for `muon_matrices` and AdamW for the rest."""
     trainable = [p for p in draft.parameters() if p.requires_grad]
     matrices = muon_matrices(draft) if settings.optimizer == "muon" else set()
+    if settings.optimizer == "muon" and not matrices:  # e.g. a wrapper's names ("module.layers.0...")
+        raise ValueError("optim.optimizer: muon found no trainable linear layer under `layers.` or `fc` in the draft: "
+                         "pass the draft module itself, not a wrapper, or use optim.optimizer: adamw")
     adamw = torch.optim.AdamW([p for p in trainable if p not in matrices], lr=lr, betas=(settings.beta1, settings.beta2),
                               eps=settings.eps, weight_decay=settings.weight_decay, fused=True, capturable=capturable)
     if not matrices:

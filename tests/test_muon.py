@@ -8,7 +8,7 @@ import torch
 from conftest import DOMINO_HEAD, make_tiny_target, random_batch, tiny_config
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
-from dflash.optim import DraftOptimizers, Muon, muon_matrices
+from dflash.optim import DraftOptimizers, Muon, build_optimizer, muon_matrices
 from dflash.trainer import DFlashTrainer
 
 SHAPES = [(12, 5), (5, 12), (8, 8)]  # tall, wide (Newton-Schulz transposes it), square
@@ -114,3 +114,12 @@ def test_muon_under_fsdp2_is_refused_with_the_fix():
         TrainConfig.from_sources(None, ["optim.optimizer=muon", "distributed=fsdp2"], presets=False)
     with pytest.raises(ValueError, match="optim.optimizer"):
         TrainConfig.from_sources(None, ["optim.optimizer=sgd"], presets=False)
+
+
+def test_muon_refuses_a_draft_whose_matrices_it_cannot_find():
+    """A wrapped draft (DDP's names start with `module.`) would silently train with AdamW alone."""
+    trainer = DFlashTrainer(tiny_config(), target=make_tiny_target())
+    wrapped = torch.nn.ModuleDict({"module": trainer.draft})
+    settings = TrainConfig.from_sources(None, ["optim.optimizer=muon"], presets=False).optim
+    with pytest.raises(ValueError, match="found no trainable linear layer"):
+        build_optimizer(wrapped, settings, trainer.lr, capturable=False)
