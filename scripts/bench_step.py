@@ -63,7 +63,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.config import CompileScope, Distributed, DominoSettings, TrainConfig  # noqa: E402
+from dflash.config import CompileScope, Distributed, DominoSettings, Optimizer, TrainConfig  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.kinds.dflash2 import DFlash2HeadConfig  # noqa: E402
 from dflash.kinds.domino import DominoHeadConfig  # noqa: E402
@@ -178,6 +178,7 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
                       batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
                       cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed,
                       fp8=args.fp8, compile_scope=args.compile_scope)
+    cfg.optim.optimizer = args.optimizer
     cfg.draft.kind, cfg.draft.num_anchors, cfg.draft.block_size = args.kind, s.anchors, s.block
     cfg.draft.attention = args.attention
     cfg.domino = DominoSettings(emb_dim=s.emb_dim, gru_hidden_dim=s.gru_hidden, pure_draft_prefix_len=1,
@@ -454,6 +455,8 @@ def main() -> int:
                    help="with --compile: each decoder layer once (layers) or the whole draft call (step)")
     p.add_argument("--cuda-graph", action="store_true")
     p.add_argument("--fp8", action="store_true", help="float8 GEMMs in the draft's linear layers (fp8: true; torchao)")
+    p.add_argument("--optimizer", choices=typing.get_args(Optimizer), default="adamw",
+                   help="muon: Muon for the layers' and fc's matrices (optim.optimizer), AdamW for the rest")
     p.add_argument("--ce-chunk", type=int, default=2048)
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
     p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
@@ -507,7 +510,7 @@ def main() -> int:
         "config": args.config, "kind": args.kind, "draft": type(trainer.draft).__name__,
         "batch": s.batch, "seq": s.seq, "anchors": s.anchors, "block": s.block,
         "attention": trainer.objective.attention, "param_dtype": args.param_dtype, "compile": args.compile,
-        "compile_loss": args.compile_loss, "fp8": args.fp8,
+        "compile_loss": args.compile_loss, "fp8": args.fp8, "optimizer": args.optimizer,
         "cuda_graph": args.cuda_graph, "compile_scope": args.compile_scope, "first_step_s": first_step_ms / 1e3,
         "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
@@ -557,7 +560,8 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if args.profile:
         print_profile(result["profile"])
-    line = (f"bench {args.config} {args.kind} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
+    muon = " muon" if args.optimizer == "muon" else ""
+    line = (f"bench {args.config} {args.kind}{muon} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
             f"{result['tflops_specforge']:.0f} TFLOP/s (specforge count, MFU {result['mfu_specforge']:.1%}), "
             f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB, "
             f"{result['samples_per_s']:.2f} samples/s")

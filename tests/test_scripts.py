@@ -61,13 +61,16 @@ def test_bench_step_random_features_builds_the_kind_asked_for(tmp_path, shift_la
     assert stdout.strip().splitlines()[-1].startswith("bench tiny domino")
 
 
-@pytest.mark.parametrize("kind, draft", [("dflash2", "DFlash2DraftModel"), ("dspark", "DSparkDraftModel")])
-def test_bench_step_random_features_builds_the_newer_kinds(tmp_path, kind, draft):
-    """The stand-in target's path builds the kind's heads (DSpark also reads the stand-in's last hidden state)."""
-    run("scripts/bench_step.py", "--config", "tiny", "--kind", kind, "--steps", "2", "--warmup", "1", "--sync-check",
-        "--json", str(tmp_path / "k.json"))
+@pytest.mark.parametrize("kind, draft, optimizer", [("dflash2", "DFlash2DraftModel", "adamw"),
+                                                     ("dspark", "DSparkDraftModel", "muon")])
+def test_bench_step_random_features_builds_the_newer_kinds(tmp_path, kind, draft, optimizer):
+    """The stand-in target's path builds the kind's heads (DSpark also reads the stand-in's last hidden state);
+    `--optimizer muon` steps with Muon, sync-free too."""
+    stdout = run("scripts/bench_step.py", "--config", "tiny", "--kind", kind, "--steps", "2", "--warmup", "1", "--sync-check",
+                 "--optimizer", optimizer, "--json", str(tmp_path / "k.json"))
     result = json.loads((tmp_path / "k.json").read_text())
-    assert (result["kind"], result["draft"], result["syncs"]) == (kind, draft, 0)
+    assert (result["kind"], result["draft"], result["syncs"], result["optimizer"]) == (kind, draft, 0, optimizer)
+    assert stdout.strip().splitlines()[-1].startswith(f"bench tiny {kind}{' muon' if optimizer == 'muon' else ''} ")
 
 
 @pytest.mark.parametrize("flags, message", [
