@@ -56,6 +56,9 @@ def test_gpu_preset_trains_a_compiled_domino_draft_and_the_cpu_preset_dflash():
     assert -(-gpu.data.max_length // gpu.data.bucket_multiple) <= 4  # a cold run compiles each padded length
     cpu = TrainConfig.from_sources(None, ["device=cpu"])
     assert (cpu.draft.kind, cpu.compile) == ("dflash", False)
+    assert (cpu.optim.optimizer, gpu.optim.optimizer) == ("muon", "adamw")  # Muon won on 2 CPU cores; no GPU run yet
+    sharded = TrainConfig.from_sources(None, ["device=cpu", "distributed=fsdp2"])  # Muon would refuse FSDP2: not set
+    assert (sharded.distributed, sharded.optim.optimizer) == ("fsdp2", "adamw")
     assert TrainConfig.from_sources(None, ["device=cuda", "draft.kind=dflash"]).draft.kind == "dflash"
     with pytest.raises(ValueError, match="add draft.kind=dflash"):
         TrainConfig.from_sources(None, ["device=cuda", "draft.position_weights=dpace"])
