@@ -40,7 +40,7 @@ EMBEDDED_CPU: dict[str, Any] = {
     "eval_interval": 100,
     "optim.lr": 1e-3,
     # Muon for the layers' matrices: real tau 1.742 / 1.830 against AdamW's 1.544 / 1.634 after the same 150
-    # steps (seeds 0 / 1), for about 6% more time a step (docs/benchmarks.md, 2026-12-03). Not yet on a GPU.
+    # steps (seeds 0 / 1), for 6-12% more time a step (docs/benchmarks.md, 2026-12-03). Not yet on a GPU.
     "optim.optimizer": "muon",
     "spec_eval_prompts": 20,
     "spec_eval_max_new_tokens": 48,
