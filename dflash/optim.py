@@ -50,6 +50,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
             raise ValueError("Muon takes no closure")
+        skip = None if self.found_inf is None else self.found_inf > 0  # once per step, not per matrix
         for group in self.param_groups:
             lr, decay = group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -65,11 +66,10 @@ class Muon(torch.optim.Optimizer):
                                                      DEFAULT_NS_STEPS, EPS)
                 scale = lr * (0.2 * math.sqrt(max(p.shape)))
                 new_p = p * (1 - lr * decay) - update.to(p.dtype) * scale
-                if self.found_inf is None:
+                if skip is None:
                     buf.copy_(new_buf)
                     p.copy_(new_p)
                 else:
-                    skip = self.found_inf > 0
                     buf.copy_(torch.where(skip, buf, new_buf))
                     p.copy_(torch.where(skip, p, new_p))
 
