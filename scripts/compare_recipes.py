@@ -7,10 +7,19 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
 
     python scripts/compare_recipes.py --steps 1500
     python scripts/compare_recipes.py --variants regen,domino --steps 1000 key=value ...
+    python scripts/compare_recipes.py --variants regen,dflash,dspark --steps 1000 --warm-steps 100 --equal-time
 
-Variants: regen (the default: the target's regenerated replies), labels-data (human replies,
+`--warm-steps` first trains each variant for a few steps (discarded), so its kernels are compiled (a cold
+compile is 30-75 s per kind on an H200) and its steady throughput is known. `--equal-time` then gives each
+variant the steps that take the first variant's `--steps` time: steps x (its input tokens/s / the first's),
+both read from the warm-up's last log window (every variant sees the same batches, so tokens/s is steps/s up
+to one constant). Each run keeps its own full schedule (warm-up and cosine over its steps), which a time
+budget cutting a longer schedule short would not. `--reference-tokens-per-s` continues a comparison begun in
+another process (the first variant's warm-up figure, printed there).
+
+Variants: regen (the default: the target's regenerated replies; the preset's kind), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
-domino (a Domino draft on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
+dflash and domino (those draft kinds on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
 dflash2 and dspark (those draft kinds), graph (`cuda_graph: true`), fp8 (`fp8: true`), muon and muon-lr3x
 (`optim.optimizer: muon`, at the preset's lr and at 3e-3), fixed-width
 (`draft.anchor_widths=1`: no host-bounded width). Each row also gives the training throughput of its
@@ -37,6 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "regen": [],
     "labels-data": ["data.regenerate=false"],
     "labels-target": ["data.regenerate=false", "data.labels=target"],
+    "dflash": ["draft.kind=dflash"],
     "domino": ["draft.kind=domino"],
     "domino-ss": ["draft.kind=domino", "domino.scheduled_sampling=0.5"],
     "graph": ["cuda_graph=true"],  # the hot path: every step a CUDA-graph replay (one graph per batch shape)
@@ -54,9 +64,17 @@ def main() -> int:
     p.add_argument("--variants", default="regen,labels-data,labels-target,domino")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--out", default="runs/compare")
+    p.add_argument("--warm-steps", type=int, default=0,
+                   help="train each variant this many steps first (discarded) to fill the compile cache")
+    p.add_argument("--equal-time", action="store_true",
+                   help="scale each variant's steps by its warm-up throughput against the first variant's")
+    p.add_argument("--reference-tokens-per-s", type=float, default=None,
+                   help="with --equal-time: the throughput that --steps refers to (default: the first variant's)")
     p.add_argument("overrides", nargs="*", help="key=value settings applied to every variant")
     args = p.parse_args()
     names = args.variants.split(",")
+    if args.equal_time and args.warm_steps < 4:
+        p.error("--equal-time reads each variant's throughput from its warm-up: give --warm-steps >= 4")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
@@ -64,9 +82,21 @@ def main() -> int:
     base = TrainConfig.from_sources(None, common)
     device = resolve_device(base.device)
     model, tokenizer = load_target(base.target, resolve_dtype(base.dtype, device))
-    rows = []
+    rows, reference = [], args.reference_tokens_per_s
     for name in names:
-        cfg = TrainConfig.from_sources(None, [*common, *VARIANTS[name], f"output_dir={args.out}/{name}"])
+        steps = [f"max_steps={args.steps}"]
+        if args.warm_steps:
+            # The last log window is the warm-up's second half: past the compiles of the first steps.
+            warm = [f"max_steps={args.warm_steps}", f"log_interval={args.warm_steps // 2}", "time_budget_minutes=null",
+                    "spec_eval_prompts=0", "eval_interval=0", f"output_dir={args.out}/{name}-warm"]
+            warm_summary = DFlashTrainer(TrainConfig.from_sources(None, [*common, *VARIANTS[name], *warm]),
+                                         target=model, tokenizer=tokenizer).fit()
+            rate = warm_summary["train"]["tokens_per_s"]
+            reference = reference or rate
+            if args.equal_time:
+                steps = [f"max_steps={max(1, round(args.steps * rate / reference))}"]
+            print(f"warm-up of {name}: {rate:,.0f} tokens/s (reference {reference:,.0f}) -> {steps[0]}", flush=True)
+        cfg = TrainConfig.from_sources(None, [*common, *VARIANTS[name], *steps, f"output_dir={args.out}/{name}"])
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -91,7 +121,8 @@ def main() -> int:
         print("| " + " | ".join(fmt(r[k]) for k in keys) + " |")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "compare.json").write_text(json.dumps(rows, indent=2))
-    print(f"compare_recipes ({args.steps} steps, {device}): "
+    length = f"the time of {args.steps} steps of {names[0]}" if args.equal_time else f"{args.steps} steps"
+    print(f"compare_recipes ({length}, {device}): "
           + "; ".join(f"{r['variant']} real tau {fmt(r['real_tau'])} (chain {fmt(r['held_out_chain_tau'])}, "
                       f"uniform {fmt(r['held_out_tau'])}), {fmt(r['train_tokens_per_s'])} tok/s, "
                       f"peak {fmt(r['peak_gib'])} GiB, {r['graphs']} graphs" for r in rows))

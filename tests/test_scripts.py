@@ -183,7 +183,8 @@ def test_check_sync_free_two_processes():
 
 
 def test_compare_recipes_tiny(tmp_path):
-    """Two variants share one loaded target; each trains, evaluates (uniform and chain τ̂) and decodes."""
+    """Two variants share one loaded target; each is warmed (a discarded short run that measures its
+    throughput), then trains for the first variant's time, evaluates (uniform and chain τ̂) and decodes."""
     from conftest import check_speculative_report, save_tiny_target
 
     save_tiny_target(tmp_path / "target")
@@ -193,22 +194,27 @@ def test_compare_recipes_tiny(tmp_path):
         {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 3)}]}) + "\n" for i in range(24)))
     out = tmp_path / "compare"
     stdout = run("scripts/compare_recipes.py", "--variants", "labels-data,domino", "--steps", "2", "--out", str(out),
-                 f"target={tmp_path / 'target'}", f"data.source={data}", "device=cpu", "draft.mask_token_id=16",
+                 "--warm-steps", "4", "--equal-time", f"target={tmp_path / 'target'}", f"data.source={data}", "device=cpu",
+                 "draft.mask_token_id=16",
                  "draft.block_size=4", "draft.num_anchors=8", "batch_size=4", "data.max_length=64",
                  "data.bucket_multiple=32", "data.eval_size=4", "data.num_workers=0", "data.regenerate_max_new_tokens=8",
                  f"data.cache_dir={tmp_path / 'cache'}", "spec_eval_prompts=2", "spec_eval_max_new_tokens=6")
     rows = json.loads((out / "compare.json").read_text())
     assert [r["variant"] for r in rows] == ["labels-data", "domino"]
+    warm = {r["variant"]: json.loads((out / f"{r['variant']}-warm" / "summary.json").read_text()) for r in rows}
+    reference = warm["labels-data"]["train"]["tokens_per_s"]
     for r in rows:  # each row reports its own run's figures, under the right names
         summary = json.loads((out / r["variant"] / "summary.json").read_text())
         held, spec = summary["held_out"], summary["speculative"]
-        assert r["steps"] == summary["steps"] == 2
+        assert warm[r["variant"]]["steps"] == 4
+        # equal time: the first variant's 2 steps, scaled by each variant's warm-up throughput
+        assert r["steps"] == summary["steps"] == max(1, round(2 * warm[r["variant"]]["train"]["tokens_per_s"] / reference))
         assert (r["real_tau"], r["held_out_chain_tau"], r["held_out_tau"]) == (spec["tau"], held["chain_tau"], held["tau"])
         check_speculative_report(spec)  # real τ: the decode's tokens per target forward
         assert spec["teacher_forced_chain_tau"] == pytest.approx(spec["tau"], rel=1e-9)  # the chain on its outputs
         assert 1.0 <= held["chain_tau"] <= 4 and held["chain_forwards"] > 0
         assert 1.0 <= held["tau"] <= 1.0 + sum(held["per_position_accuracy"]) + 1e-9  # accepted <= correct slots
-    assert stdout.strip().splitlines()[-1].startswith("compare_recipes (2 steps, cpu)")
+    assert stdout.strip().splitlines()[-1].startswith("compare_recipes (the time of 2 steps of labels-data, cpu)")
 
 
 def test_bench_width_tiny():
