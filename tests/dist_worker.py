@@ -20,6 +20,9 @@ by tests/test_dflash2_distributed.py and tests/test_dspark_distributed.py under 
                                                forbid_syncs().
     python tests/dist_worker.py OUT dspark     `draft.kind: dspark` (tests/test_dspark_distributed.py): the same,
                                                with both DSpark heads (Markov head of rank 8).
+    python tests/dist_worker.py OUT muon       `optim.optimizer: muon` under DDP: one full step (the update
+                                               applied) on each rank's half of the fixed batch; both ranks'
+                                               weights after it, and the names Muon updates.
 
 Rank 0 writes everything to OUT.
 """
@@ -99,6 +102,26 @@ def main_ddp(out: Path, position_weights: str = "decay") -> None:
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics, "anchors": gathered,
                     "init": {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}}, out)
+    dist.barrier()
+
+
+def main_ddp_muon(out: Path) -> None:
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(tiny_config(optim__optimizer="muon"), target=make_tiny_target())
+    rank = trainer.rank
+    batch, anchors, keep = fixed_plan()
+    rows = slice(2 * rank, 2 * rank + 2)
+    init = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}  # after DDP's broadcast
+    import dflash.objective as objective
+
+    objective.sample_anchors = lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows])
+    trainer.train_step({k: v[rows] for k, v in batch.items()})
+    after = [None] * trainer.world_size
+    dist.all_gather_object(after, {n: p.detach().clone() for n, p in trainer.draft.named_parameters()})
+    names = {p: n for n, p in trainer.draft.named_parameters()}
+    muon = sorted(names[p] for group in trainer.optimizer.parts[0].param_groups for p in group["params"])
+    if rank == 0:
+        torch.save({"init": init, "after": after, "muon": muon}, out)
     dist.barrier()
 
 
@@ -297,6 +320,8 @@ def main_heads(out: Path, kind: str) -> None:
 if __name__ == "__main__":
     if sys.argv[2:] == ["fsdp2"]:
         main_fsdp2(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["muon"]:
+        main_ddp_muon(Path(sys.argv[1]))
     elif len(sys.argv) == 3 and sys.argv[2] in HEAD_VARIANTS:
         main_heads(Path(sys.argv[1]), sys.argv[2])
     else:  # DDP, with the position weights named after the output path (default: decay)
