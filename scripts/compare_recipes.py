@@ -13,16 +13,19 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
 compile is 30-75 s per kind on an H200) and its steady throughput is known. `--equal-time` then gives each
 variant the steps that take the first variant's `--steps` time: steps x (its input tokens/s / the first's),
 both read from the warm-up's last log window (every variant sees the same batches, so tokens/s is steps/s up
-to one constant). Each run keeps its own full schedule (warm-up and cosine over its steps), which a time
-budget cutting a longer schedule short would not. `--reference-tokens-per-s` continues a comparison begun in
-another process (the first variant's warm-up figure, printed there).
+to one constant; a variant that changes the batch size, the lengths or the data breaks this: time it by steps).
+Each run keeps its own full schedule (warm-up and cosine over its steps), which a time budget cutting a longer
+schedule short would not. `--reference-tokens-per-s` continues a comparison begun in another process (the first
+variant's warm-up figure, printed there).
 
 Variants: regen (the default: the target's regenerated replies; the preset's kind), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
 dflash and domino (those draft kinds on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
 dflash2 and dspark (those draft kinds), graph (`cuda_graph: true`), fp8 (`fp8: true`), muon and muon-lr3x
 (`optim.optimizer: muon`, at the preset's lr and at 3e-3), fixed-width
-(`draft.anchor_widths=1`: no host-bounded width). Each row also gives the training throughput of its
+(`draft.anchor_widths=1`: no host-bounded width). Any other variant can be written out as
+`LABEL:key=value+key=value`, e.g. `block8:draft.block_size=8` or `deep:draft.num_layers=3+optim.lr=3e-4`.
+Each row also gives the training throughput of its
 last log window, the peak accelerator memory and the number of CUDA graphs captured.
 """
 
@@ -59,6 +62,13 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+def parse_variant(spec: str) -> tuple[str, list[str] | None]:
+    """A named variant ("muon") or one written out, "LABEL:key=value+key=value" ("block8:draft.block_size=8");
+    None for an unknown name."""
+    label, sep, overrides = spec.partition(":")
+    return (label, overrides.split("+")) if sep else (spec, VARIANTS.get(spec))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="regen,labels-data,labels-target,domino")
@@ -72,12 +82,13 @@ def main() -> int:
                    help="with --equal-time: the throughput that --steps refers to (default: the first variant's)")
     p.add_argument("overrides", nargs="*", help="key=value settings applied to every variant")
     args = p.parse_args()
-    names = args.variants.split(",")
+    variants = dict(parse_variant(v) for v in args.variants.split(","))
+    names = list(variants)
     if args.equal_time and args.warm_steps < 4:
         p.error("--equal-time reads each variant's throughput from its warm-up: give --warm-steps >= 4")
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = [n for n, overrides in variants.items() if overrides is None]
     if unknown:
-        p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+        p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)} or write LABEL:key=value+key=value")
     common = [f"max_steps={args.steps}", "progress_bar=false", "save_interval=0", *args.overrides]
     base = TrainConfig.from_sources(None, common)
     device = resolve_device(base.device)
@@ -89,14 +100,14 @@ def main() -> int:
             # The last log window is the warm-up's second half: past the compiles of the first steps.
             warm = [f"max_steps={args.warm_steps}", f"log_interval={args.warm_steps // 2}", "time_budget_minutes=null",
                     "spec_eval_prompts=0", "eval_interval=0", f"output_dir={args.out}/{name}-warm"]
-            warm_summary = DFlashTrainer(TrainConfig.from_sources(None, [*common, *VARIANTS[name], *warm]),
+            warm_summary = DFlashTrainer(TrainConfig.from_sources(None, [*common, *variants[name], *warm]),
                                          target=model, tokenizer=tokenizer).fit()
             rate = warm_summary["train"]["tokens_per_s"]
             reference = reference or rate
             if args.equal_time:
                 steps = [f"max_steps={max(1, round(args.steps * rate / reference))}"]
             print(f"warm-up of {name}: {rate:,.0f} tokens/s (reference {reference:,.0f}) -> {steps[0]}", flush=True)
-        cfg = TrainConfig.from_sources(None, [*common, *VARIANTS[name], *steps, f"output_dir={args.out}/{name}"])
+        cfg = TrainConfig.from_sources(None, [*common, *variants[name], *steps, f"output_dir={args.out}/{name}"])
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,14 +194,17 @@ def test_compare_recipes_tiny(tmp_path):
         {"role": "user", "content": f"What is {i} plus {i}?"},
         {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 3)}]}) + "\n" for i in range(24)))
     out = tmp_path / "compare"
-    stdout = run("scripts/compare_recipes.py", "--variants", "labels-data,domino", "--steps", "2", "--out", str(out),
+    stdout = run("scripts/compare_recipes.py", "--variants", "labels-data,dom:draft.kind=domino+draft.num_anchors=6",
+                 "--steps", "2", "--out", str(out),
                  "--warm-steps", "4", "--equal-time", f"target={tmp_path / 'target'}", f"data.source={data}", "device=cpu",
                  "draft.mask_token_id=16",
                  "draft.block_size=4", "draft.num_anchors=8", "batch_size=4", "data.max_length=64",
                  "data.bucket_multiple=32", "data.eval_size=4", "data.num_workers=0", "data.regenerate_max_new_tokens=8",
                  f"data.cache_dir={tmp_path / 'cache'}", "spec_eval_prompts=2", "spec_eval_max_new_tokens=6")
     rows = json.loads((out / "compare.json").read_text())
-    assert [r["variant"] for r in rows] == ["labels-data", "domino"]
+    assert [r["variant"] for r in rows] == ["labels-data", "dom"]
+    written_out = yaml.safe_load((out / "dom" / "config.yaml").read_text())  # written out as LABEL:key=value+...
+    assert (written_out["draft"]["kind"], written_out["draft"]["num_anchors"]) == ("domino", 6)
     warm = {r["variant"]: json.loads((out / f"{r['variant']}-warm" / "summary.json").read_text()) for r in rows}
     reference = warm["labels-data"]["train"]["tokens_per_s"]
     for r in rows:  # each row reports its own run's figures, under the right names
