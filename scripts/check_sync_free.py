@@ -20,7 +20,7 @@ its share of the data; instead of stopping at the first sync (which would leave 
 waiting in a collective), every rank counts its syncs (dispatch findings + CUDA sync-debug warnings)
 and rank 0 prints the total over ranks. Part 2 (the CUDA graph) is single-process only.
 
-    python scripts/check_sync_free.py
+    python scripts/check_sync_free.py [--kind domino|dflash2|dspark] [--optimizer muon]
     torchrun --nproc_per_node 2 scripts/check_sync_free.py --distributed fsdp2
 """
 
@@ -59,7 +59,8 @@ def tiny_llama(cuda: bool):
     return LlamaForCausalLM(cfg)
 
 
-def config(cuda: bool, device: torch.device | None = None, kind: str = "dflash", **kw) -> TrainConfig:
+def config(cuda: bool, device: torch.device | None = None, kind: str = "dflash", optimizer: str = "adamw",
+           **kw) -> TrainConfig:
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
     cfg = TrainConfig(device=str(device), max_steps=1000, batch_size=8 if cuda else 2, log_interval=10**9, **kw)
     cfg.draft.kind, cfg.draft.num_layers, cfg.draft.block_size = kind, 2, 16 if cuda else 4
@@ -67,7 +68,7 @@ def config(cuda: bool, device: torch.device | None = None, kind: str = "dflash",
         cfg.domino.gru_hidden_dim, cfg.domino.emb_dim = 32, 16
     cfg.draft.num_anchors = 64 if cuda else 8
     cfg.draft.mask_token_id = 0
-    cfg.optim.grad_accum = 2
+    cfg.optim.grad_accum, cfg.optim.optimizer = 2, optimizer
     return cfg
 
 
@@ -94,14 +95,14 @@ def detector_name(attention: str, aten_checks: bool, cuda: bool) -> str:
 
 def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = None, distributed: str = "ddp",
                     rank: int = 0, world: int = 1, attention: str = "auto", aten_checks: bool = True,
-                    kind: str = "dflash") -> tuple[int, int]:
+                    kind: str = "dflash", optimizer: str = "adamw") -> tuple[int, int]:
     """Run `steps` non-log steps from the real loader inside forbid_syncs; return (steps done, syncs).
 
     One process: the first sync raises. Several: each sync is counted (so every rank reaches the
     end and its collectives) and reported on stderr with the rank.
     """
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
-    cfg = config(cuda, device, kind, distributed=distributed)
+    cfg = config(cuda, device, kind, optimizer, distributed=distributed)
     cfg.draft.attention = attention
     trainer = DFlashTrainer(cfg, target=tiny_llama(cuda), tokenizer=None)
     seq, vocab = (512, 49_152) if cuda else (64, 256)
@@ -142,15 +143,16 @@ def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = Non
     return done, len(report.findings) + len(cuda_syncs)
 
 
-def graph_vs_eager(steps: int, kind: str = "dflash") -> tuple[float, list[float], list[float]]:
+def graph_vs_eager(steps: int, kind: str = "dflash", optimizer: str = "adamw") -> tuple[float, list[float], list[float]]:
     """Max relative loss difference between CUDA-graph replays and eager steps (same weights, anchors)."""
     seq = 512
     data = rows(16, seq, 49_152, prompt=seq - 40)  # 39 valid anchors per row < N = 64: anchors are fixed
     batch = Collator(0, 64, seq)(data[:16])
     batch = {k: v.cuda() for k, v in batch.items()}
     target = tiny_llama(True)
-    eager = DFlashTrainer(config(True, kind=kind), target=target, tokenizer=None)
-    graph = DFlashTrainer(config(True, kind=kind, cuda_graph=True), target=target, tokenizer=None, draft=None)
+    eager = DFlashTrainer(config(True, kind=kind, optimizer=optimizer), target=target, tokenizer=None)
+    graph = DFlashTrainer(config(True, kind=kind, optimizer=optimizer, cuda_graph=True), target=target, tokenizer=None,
+                          draft=None)
     graph.draft.load_state_dict(eager.draft.state_dict())
     losses = {"eager": [], "graph": []}
     for _ in range(steps):
@@ -170,8 +172,10 @@ def main() -> int:
                    help="under torchrun / accelerate launch: replicate (ddp) or shard (fsdp2) the draft")
     p.add_argument("--kind", choices=["dflash", "domino", "dflash2", "dspark"], default="dflash",
                    help="draft kind (domino: the default Domino head, GRU 1024 and emb_dim 256 on a GPU)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="optim.optimizer of the step")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
+    label = args.kind if args.optimizer == "adamw" else f"{args.kind}, {args.optimizer}"
     rank, world = init_distributed()  # (0, 1) in a single process
     passes = detector_passes(cuda)
     if world > 1:
@@ -179,7 +183,8 @@ def main() -> int:
         per_rank, names = [0] * world, []
         for attention, aten_checks in passes:
             done, syncs = sync_free_steps(cuda, args.steps, device=device, distributed=args.distributed, rank=rank,
-                                          world=world, attention=attention, aten_checks=aten_checks, kind=args.kind)
+                                          world=world, attention=attention, aten_checks=aten_checks, kind=args.kind,
+                                          optimizer=args.optimizer)
             counts = [None] * world
             dist.all_gather_object(counts, syncs)
             per_rank = [a + b for a, b in zip(per_rank, counts, strict=True)]
@@ -187,17 +192,18 @@ def main() -> int:
         shutdown_distributed()  # the passes' trainers are gone: free them before the group
         if rank != 0:
             return 0 if sum(per_rank) == 0 else 1
-        print(f"check_sync_free ({args.kind}): {sum(per_rank)} syncs in {done} non-log steps per pass on each of {world} ranks "
+        print(f"check_sync_free ({label}): {sum(per_rank)} syncs in {done} non-log steps per pass on each of {world} ranks "
               f"({args.distributed}; per rank {per_rank}; {'; '.join(names)}); CUDA graph: skipped (several processes)"
               + (": PASS" if sum(per_rank) == 0 else ": FAIL"))
         return 0 if sum(per_rank) == 0 else 1
     for attention, aten_checks in passes:  # the first sync raises
-        done, _ = sync_free_steps(cuda, args.steps, attention=attention, aten_checks=aten_checks, kind=args.kind)
+        done, _ = sync_free_steps(cuda, args.steps, attention=attention, aten_checks=aten_checks, kind=args.kind,
+                                  optimizer=args.optimizer)
     names = "; ".join(detector_name(a, c, cuda) for a, c in passes)
-    summary = f"check_sync_free ({args.kind}): 0 syncs in {done} non-log steps per pass ({names})"
+    summary = f"check_sync_free ({label}): 0 syncs in {done} non-log steps per pass ({names})"
     ok = True
     if cuda:
-        worst, eager, graph = graph_vs_eager(args.graph_steps, args.kind)
+        worst, eager, graph = graph_vs_eager(args.graph_steps, args.kind, args.optimizer)
         ok = worst <= args.tolerance and eager[-1] < eager[0]
         print("eager losses:", [round(x, 4) for x in eager])
         print("graph losses:", [round(x, 4) for x in graph])

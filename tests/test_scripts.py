@@ -163,11 +163,12 @@ def test_flop_counting_reproduces_specforge_figure():
     assert f["needed"] < f["specforge"]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "domino"])
-def test_check_sync_free_cpu(kind):
-    stdout = run("scripts/check_sync_free.py", "--steps", "3", "--kind", kind)
+@pytest.mark.parametrize("kind,optimizer", [("dflash", "adamw"), ("domino", "adamw"), ("dflash", "muon")])
+def test_check_sync_free_cpu(kind, optimizer):
+    stdout = run("scripts/check_sync_free.py", "--steps", "3", "--kind", kind, "--optimizer", optimizer)
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith(f"check_sync_free ({kind}): 0 syncs") and last.endswith("PASS")
+    label = kind if optimizer == "adamw" else f"{kind}, {optimizer}"
+    assert last.startswith(f"check_sync_free ({label}): 0 syncs") and last.endswith("PASS")
 
 
 def test_check_sync_free_two_processes():
