@@ -4,7 +4,7 @@ Applied only when the target is "embedded" and only to keys the user did not set
 key=value), so `dflash train max_steps=50` still gets every other embedded default.
 
 CPU (2 cores, at most 15 minutes end to end): a short regeneration (cached for the next run), a
-2-layer draft with blocks of 4 trained with Muon, 150 steps (a 7-minute budget caps them on a slower machine), then
+2-layer draft with blocks of 4 trained with Muon at lr 3e-3, 150 steps (a 7-minute budget caps them on a slower machine), then
 export and a real speculative evaluation on 20 held-out prompts. GPU: the same recipe at full size (the first three
 user messages of every chitchat conversation regenerated as single-turn prompts, larger batches, bf16 +
 flex attention, a 10-minute training budget) with a compiled Domino draft, whose real τ beat DFlash's at
@@ -38,10 +38,11 @@ EMBEDDED_CPU: dict[str, Any] = {
     "time_budget_minutes": 7.0,
     "log_interval": 10,
     "eval_interval": 100,
-    "optim.lr": 1e-3,
-    # Muon for the layers' matrices: real tau 1.742 / 1.830 against AdamW's 1.544 / 1.634 after the same 150
-    # steps (seeds 0 / 1), for 6-12% more time a step (docs/benchmarks.md, 2026-12-03).
+    # Muon for the layers' matrices at lr 3e-3: real tau 1.869 / 1.962 (seeds 0 / 1) against 1.742 / 1.830 at
+    # 1e-3 and AdamW's 1.544 / 1.634 after the same 150 steps, for 6-12% more time a step; AdamW at 3e-3 falls
+    # to 1.195, so the lr follows the optimizer (FOLLOWS below; docs/benchmarks.md, 2026-12-03 and 12-04).
     "optim.optimizer": "muon",
+    "optim.lr": 3e-3,
     "spec_eval_prompts": 20,
     "spec_eval_max_new_tokens": 48,
     "output_dir": "runs/embedded",
@@ -92,9 +93,18 @@ LINKED: tuple[frozenset[str], ...] = (
 )
 
 
+# A preset key tuned for the preset's value of another key (its leader): dropped wherever the leader is the
+# user's or linked to one of the user's keys, while setting the follower leaves the leader to the preset. The
+# CPU preset's lr of 3e-3 is Muon's; AdamW at that lr trains a far worse draft (real tau 1.195 against 1.544 at
+# 1e-3), so a user's optim.optimizer=adamw (or distributed=..., which holds the optimizer) gets the key's own
+# default lr, and a user's optim.lr keeps Muon.
+FOLLOWS: dict[str, str] = {"optim.lr": "optim.optimizer"}
+
+
 def embedded_preset(device: str, given: set[str] = frozenset()) -> dict[str, Any]:
     """The embedded default's settings for `device` ("auto" resolves to cuda when available), less the
-    keys in `given` (set by the user) and the keys linked to one of them."""
+    keys in `given` (set by the user), the keys linked to one of them and the keys that follow a held one."""
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     held = set(given).union(*(group for group in LINKED if group & set(given)))
+    held |= {follower for follower, leader in FOLLOWS.items() if leader in held}
     return {key: value for key, value in (EMBEDDED_GPU if on_gpu else EMBEDDED_CPU).items() if key not in held}

@@ -64,6 +64,22 @@ def test_gpu_preset_trains_a_compiled_domino_draft_and_the_cpu_preset_dflash():
         TrainConfig.from_sources(None, ["device=cuda", "draft.position_weights=dpace"])
 
 
+def test_cpu_preset_lr_is_muons_and_follows_the_optimizer():
+    """The CPU preset's lr (3e-3) is tuned for its Muon; AdamW at that lr trains a far worse draft
+    (docs/benchmarks.md), so wherever the preset's optimizer is not applied its lr is not either, while a
+    user's lr keeps the preset's Muon."""
+    default_lr = TrainConfig().optim.lr
+    cpu = TrainConfig.from_sources(None, ["device=cpu"])
+    assert (cpu.optim.optimizer, cpu.optim.lr) == ("muon", 3e-3) and default_lr != 3e-3
+    adamw = TrainConfig.from_sources(None, ["device=cpu", "optim.optimizer=adamw"])
+    assert (adamw.optim.optimizer, adamw.optim.lr) == ("adamw", default_lr)
+    sharded = TrainConfig.from_sources(None, ["device=cpu", "distributed=fsdp2"])  # holds the optimizer, so the lr
+    assert (sharded.optim.optimizer, sharded.optim.lr) == ("adamw", default_lr)
+    tuned = TrainConfig.from_sources(None, ["device=cpu", "optim.lr=1e-3"])
+    assert (tuned.optim.optimizer, tuned.optim.lr) == ("muon", 1e-3)
+    assert tuned.max_steps == cpu.max_steps  # the rest of the preset stays
+
+
 def test_gpu_preset_leaves_linked_data_keys_to_the_user():
     """The GPU preset asks standalone prompts (one turn each); a user who sets how many turns the target
     answers gets none of the preset's turn settings, not a config error."""
