@@ -239,7 +239,8 @@ class TrainConfig:
             (d.selector_alpha >= 0, "dflash2.selector_alpha must be >= 0"),
             (not (is_d2 and self.draft.position_weights == "dpace"),
              "draft.position_weights: dpace is not implemented for DFlash 2 drafts (the selector loss takes the "
-             "planned position weights): use decay or none"),
+             "planned position weights): use decay or none, or add draft.kind=dflash (the embedded default trains "
+             "a DFlash 2 draft on a CPU)"),
         ]
 
     # ---- construction -------------------------------------------------------------------------

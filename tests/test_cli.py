@@ -48,20 +48,25 @@ def test_yaml_config_and_presets(tmp_path):
     assert other.max_steps == TrainConfig().max_steps  # presets only for the embedded target
 
 
-def test_gpu_preset_trains_a_compiled_domino_draft_and_the_cpu_preset_dflash():
+def test_gpu_preset_trains_a_compiled_domino_draft_and_the_cpu_preset_dflash2():
     """Domino won on the GPU preset (real τ, docs/benchmarks.md 2026-12-03) and lost at equal time on 2 CPU
-    cores; a user's kind wins over both, and D-PACE on the GPU default names the fix."""
+    cores, where DFlash 2 won (2026-12-04); a user's kind wins over both, and D-PACE, which neither default kind
+    takes, names the fix on both."""
     gpu = TrainConfig.from_sources(None, ["device=cuda"])
     assert (gpu.draft.kind, gpu.compile) == ("domino", True)
     assert -(-gpu.data.max_length // gpu.data.bucket_multiple) <= 4  # a cold run compiles each padded length
     cpu = TrainConfig.from_sources(None, ["device=cpu"])
-    assert (cpu.draft.kind, cpu.compile) == ("dflash", False)
+    assert (cpu.draft.kind, cpu.compile, cpu.draft.block_size) == ("dflash2", False, 4)
     assert (cpu.optim.optimizer, gpu.optim.optimizer) == ("muon", "adamw")  # Muon won on 2 CPU cores; no GPU run yet
     sharded = TrainConfig.from_sources(None, ["device=cpu", "distributed=fsdp2"])  # Muon would refuse FSDP2: not set
     assert (sharded.distributed, sharded.optim.optimizer) == ("fsdp2", "adamw")
     assert TrainConfig.from_sources(None, ["device=cuda", "draft.kind=dflash"]).draft.kind == "dflash"
-    with pytest.raises(ValueError, match="add draft.kind=dflash"):
-        TrainConfig.from_sources(None, ["device=cuda", "draft.position_weights=dpace"])
+    assert TrainConfig.from_sources(None, ["device=cpu", "draft.kind=dflash"]).draft.kind == "dflash"
+    for device in ("cuda", "cpu"):
+        with pytest.raises(ValueError, match="add draft.kind=dflash"):
+            TrainConfig.from_sources(None, [f"device={device}", "draft.position_weights=dpace"])
+    dpace = TrainConfig.from_sources(None, ["device=cpu", "draft.kind=dflash", "draft.position_weights=dpace"])
+    assert (dpace.draft.kind, dpace.draft.position_weights) == ("dflash", "dpace")  # the named fix works
 
 
 def test_cpu_preset_lr_is_muons_and_follows_the_optimizer():

@@ -110,7 +110,9 @@ class DFlashTrainingModule(nn.Module):
         if config.draft.kind in ("dflash2", "dspark"):  # not tested there: its export at each save and its metrics layout
             kind = config.draft.kind
             raise ValueError(f"draft.kind: {kind} is supported by `dflash train` / DFlashTrainer, not yet by the "
-                             f"transformers.Trainer path (untested there): train it with `dflash train draft.kind={kind}`")
+                             f"transformers.Trainer path (untested there): train it with `dflash train draft.kind={kind}`, "
+                             "or set draft.kind=dflash or domino here (the embedded default trains a DFlash 2 draft "
+                             "on a CPU)")
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
         module = cls(objective, seed=config.seed)
