@@ -111,8 +111,8 @@ class DFlashTrainingModule(nn.Module):
             kind = config.draft.kind
             raise ValueError(f"draft.kind: {kind} is supported by `dflash train` / DFlashTrainer, not yet by the "
                              f"transformers.Trainer path (untested there): train it with `dflash train draft.kind={kind}`, "
-                             "or set draft.kind=dflash or domino here (the embedded default trains a DFlash 2 draft "
-                             "on a CPU)")
+                             "or set draft.kind=dflash or domino here"
+                             + (" (the embedded default trains a DFlash 2 draft on a CPU)" if kind == "dflash2" else ""))
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
         module = cls(objective, seed=config.seed)
