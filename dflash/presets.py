@@ -74,12 +74,14 @@ EMBEDDED_GPU: dict[str, Any] = {
     "data.regenerate_turns": 1,
     "data.standalone_turns": 3,
     "data.regenerate_batch_size": 1024,
+    # 3000 steps (9 epochs of the 10,396 rows), not the 9000 that fill the budget: at 9000 the held-out chain tau
+    # peaked at step 3500 and real tau fell to 3.584 against 3.896 (overfitting; docs/benchmarks.md, 2026-12-04).
     "max_steps": 3000,
     "time_budget_minutes": 10.0,
     "log_interval": 50,
     "eval_interval": 500,
-    # AdamW (the key's default): Muon led after a minute of steps at equal time (real tau 3.426 against 3.294,
-    # one seed, docs/benchmarks.md) but is not adopted before it wins the full 3000 steps on two seeds.
+    # AdamW (the key's default): Muon led after a minute of steps at equal time (real tau 3.426 against 3.294)
+    # but tied at the full 3000 steps (3.878 against 3.896, seed 0; docs/benchmarks.md, 2026-12-04 evening).
     "optim.lr": 6e-4,
     # Every held-out prompt (data.eval_size): real tau on the prompts the held-out chain estimate scores,
     # so the two figures differ only by numerics, not by the choice of prompts (docs/benchmarks.md).
