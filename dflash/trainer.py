@@ -46,6 +46,7 @@ from dflash.run.compiling import ShapeLog, batch_shape, compile_draft_call, keep
 from dflash.run.data_parallel import DataParallelDraft
 from dflash.run.folder import RunFolder
 from dflash.run.graphs import Capture, StepGraphs, step_graphs
+from dflash.run.overfitting import HeldOutPeak
 from dflash.run.state import (
     check_loaded_state,
     check_resume_config,
@@ -134,7 +135,7 @@ class DFlashTrainer:
         self.step_t = torch.zeros((), dtype=torch.float32, device=self.device)
         self.lr = torch.full((), config.optim.lr, dtype=torch.float32, device=self.device)
         self.optimizer = build_optimizer(self.draft, config.optim, self.lr, capturable=config.cuda_graph)
-        self.lr.copy_(self._lr_at(self.step_t))
+        self.lr.copy_(lr_at(self.step_t, config.optim, config.max_steps))
         self.objective.bind_schedule(self.step_t, config.max_steps)  # Domino's lambda follows the device counter
         self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
         self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -142,6 +143,7 @@ class DFlashTrainer:
         # (or 2 ranks would report one skipped update as 2 and stop after half the allowed consecutive skips).
         self._adds_replicated_metrics = dist_rank == 0
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
+        self.held_out_peak = HeldOutPeak(config.batch_size * config.optim.grad_accum * self.world_size, warn=rank == 0)
         self.data_position = DataPosition()
         self.anchor_generator = torch.Generator(device=self.device)
         self.anchor_generator.manual_seed(anchor_seed(config.seed, 0, 0))  # alike on every rank: see _step
@@ -151,9 +153,6 @@ class DFlashTrainer:
         self.resumed: dict[str, Any] | None = None  # `state.resume_record` of the checkpoint `resume` loaded
         self.saved_step: int | None = None  # the step last saved or resumed from (the last step is saved once)
         self.data_fingerprint: str | None = None  # the training rows' content hash, saved with checkpoints
-
-    def _lr_at(self, step: torch.Tensor) -> torch.Tensor:
-        return lr_at(step, self.config.optim, self.config.max_steps)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -194,8 +193,7 @@ class DFlashTrainer:
                 (out.loss_sum * scale).backward()
             self.objective.accumulate(m, out, keep, targets)
 
-        # 3) Update. The global gradient norm stays on the device (no error_if_nonfinite-style check: that
-        #    reads it to the host).
+        # 3) Update. The global gradient norm stays on the device (an error_if_nonfinite check would read it).
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if self.fsdp:  # a DTensor (the norm over all shards, replicated): its local tensor, no host read
@@ -208,9 +206,8 @@ class DFlashTrainer:
         empty = (total_weight == 0).float()
         skipped = torch.maximum(nonfinite, empty)
         self.optimizer.found_inf = skipped
-        # Clipping folded into the update: fused AdamW divides every gradient by `grad_scale` inside its
-        # kernel. The same factor as clip_grad_norm_ (max_norm / (norm + 1e-6), capped at 1), without
-        # that function's separate read-and-write pass over every gradient.
+        # Clipping folded into the update: fused AdamW divides every gradient by `grad_scale` in its kernel, the
+        # factor of clip_grad_norm_ (max_norm / (norm + 1e-6), capped at 1) without its extra pass over the gradients.
         self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.config.optim.max_grad_norm).clamp(min=1.0)
         # Consecutive non-finite skips: reset by an update, left as it was by an empty window.
         self.nonfinite_run.copy_(torch.where(empty > 0, self.nonfinite_run, self.nonfinite_run * nonfinite + nonfinite))
@@ -220,7 +217,7 @@ class DFlashTrainer:
         # A captured graph needs its gradient buffers to stay put: zero them instead of freeing them.
         self.optimizer.zero_grad(set_to_none=not self.config.cuda_graph)
         self.step_t.add_(1)
-        self.lr.copy_(self._lr_at(self.step_t))
+        self.lr.copy_(lr_at(self.step_t, self.config.optim, self.config.max_steps))
 
     def _step_graphs(self) -> StepGraphs:
         """The captured steps (`cuda_graph: true`), one per shape the collator can produce."""
@@ -243,8 +240,7 @@ class DFlashTrainer:
     # ---- state ------------------------------------------------------------------------------
 
     def draft_state_dict(self) -> dict[str, torch.Tensor]:
-        """The draft's full weights on the CPU (trainer names). Under FSDP2 a collective: call it on every
-        rank; rank 0 gets the consolidated tensors, the others an empty dict."""
+        """The draft's full weights on the CPU (trainer names); under FSDP2 a collective (rank 0 gets them, others {})."""
         return full_draft_state(self.draft)
 
     def consolidated_draft(self) -> torch.nn.Module | None:
@@ -265,16 +261,15 @@ class DFlashTrainer:
         self.step = int(state["step"])
         load_optimizer_state(self.draft, self.optimizer, state["optimizer"])
         self.step_t.fill_(self.step)
-        self.lr.copy_(self._lr_at(self.step_t))
+        self.lr.copy_(lr_at(self.step_t, self.config.optim, self.config.max_steps))
         self.metrics.load_state_dict(state["metrics"])
         self.data_position = DataPosition(int(state["data_epoch"]), int(state["data_batches"]))
         restore_rng(state, self.anchor_generator)
 
     def save(self) -> Path:
         """SYNC POINT: an atomic checkpoint of the current step under `output_dir/checkpoints`."""
-        # Consolidated state (under FSDP2 gathered from every rank to rank 0); one writer, and the others
-        # wait so nobody reads a half save. The data's fingerprint and metrics.jsonl's length let a resume
-        # refuse other data and drop the lines logged after this save.
+        # Consolidated state (FSDP2: gathered to rank 0); one writer, the others wait for it. The data's fingerprint
+        # and metrics.jsonl's length let a resume refuse other data and drop the lines logged after this save.
         draft_state, state = self.draft_state_dict(), self.state_dict()
         state.update(data_fingerprint=self.data_fingerprint,
                      metrics_bytes=history_size(self.config.output_dir))
@@ -338,6 +333,7 @@ class DFlashTrainer:
             corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target,
                                    rank=self.rank, world_size=self.world_size)
         self.held_out_conversations = corpus.held_out_conversations
+        self.held_out_peak.train_rows = len(corpus.train)  # epochs in its warning
         check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
         self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
         write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
@@ -387,7 +383,7 @@ class DFlashTrainer:
                 if watch.tripped:  # skipped updates left the weights at the last finite state: saved below
                     break
                 if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                    self._record(reporter, {f"eval_{k}": v for k, v in self.evaluate(eval_ds).items()})
+                    self._held_out(eval_ds, reporter)
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
                         and self.held_out_conversations):
                     draft = self.consolidated_draft()  # FSDP2: a gather every rank takes part in
@@ -410,9 +406,8 @@ class DFlashTrainer:
         """The end of a completed run: held-out metrics, the export, speculative decoding, RUN/summary.json."""
         cfg = self.config
         if corpus.eval is not None:
-            held_out = self.evaluate(corpus.eval)
-            self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
-            summary["held_out"] = held_out
+            summary["held_out"] = self._held_out(corpus.eval, reporter)
+            summary["held_out_peak"] = self.held_out_peak.summary()
         spec_eval = bool(cfg.spec_eval_prompts and self.held_out_conversations)
         # One full draft for export and speculative decoding (FSDP2: gathered to rank 0 by every rank).
         final_draft = self.consolidated_draft() if cfg.export_on_finish or spec_eval else None
@@ -438,6 +433,13 @@ class DFlashTrainer:
                                          num_prompts=num_prompts or self.config.spec_eval_prompts,
                                          max_new_tokens=self.config.spec_eval_max_new_tokens,
                                          chain_tau=self._chain_tau_on if self.world_size == 1 else None)
+
+    def _held_out(self, dataset: Any, reporter: Reporter) -> dict[str, Any]:
+        """SYNC POINT: `evaluate`, recorded and shown to the held-out peak (`dflash.run.overfitting`)."""
+        held_out = self.evaluate(dataset)
+        self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
+        self.held_out_peak.see(self.step, held_out["chain_tau"])
+        return held_out
 
     def _chain_tau_on(self, texts: list[tuple[list[int], list[int]]]) -> float:
         """`evaluate`'s chain tau over rows `prompt + output`, supervising the output."""

@@ -137,3 +137,7 @@ def test_launch_banner_and_summary_table(monkeypatch):
         "summary     runs/x/summary.json"]
     on_gpu = console.summary_table({"steps": 5, "train": {"tau": 1.5, "tokens_per_s": 2000.0, "peak_memory_gib": 14.76}})
     assert on_gpu.splitlines()[1].endswith("| 2,000 tokens/s | peak 14.8 GiB")
+    peak = {"peak_step": 3500, "peak_chain_tau": 3.643, "last_step": 9000, "epochs": 27.7}
+    past = console.summary_table({"steps": 9000, "held_out_peak": {**peak, "past_peak_warning": True}})
+    assert past.splitlines()[1] == "held-out peak  chain tau 3.643 at step 3500, past it since; 27.7 epochs in all"
+    assert "peak" not in console.summary_table({"steps": 3000, "held_out_peak": {**peak, "past_peak_warning": False}})

@@ -13,6 +13,7 @@ from dflash.anchors import sample_anchors
 from dflash.losses import accepted_prefix_length, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_target_layer_ids
+from dflash.optim import lr_at
 from dflash.target.frozen import FrozenTarget, resolve_mask_token_id
 from dflash.trainer import DFlashTrainer
 
@@ -289,7 +290,7 @@ def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics,
 def test_lr_schedule_warmup_then_cosine_on_device():
     trainer = _trainer(max_steps=100, optim__warmup_ratio=0.1, optim__lr=1e-3)
     assert trainer.lr.item() == pytest.approx(1e-4)  # (0 + 1) / 10 of peak
-    lrs = [trainer._lr_at(torch.tensor(float(s))).item() for s in (9, 10, 55, 100)]
+    lrs = [lr_at(torch.tensor(float(s)), trainer.config.optim, 100).item() for s in (9, 10, 55, 100)]
     assert lrs[0] == pytest.approx(1e-3) and lrs[1] == pytest.approx(1e-3)
     assert lrs[2] == pytest.approx(0.5e-3, rel=1e-5) and lrs[3] == pytest.approx(0.0, abs=1e-9)
     assert trainer.optimizer.param_groups[0]["lr"] is trainer.lr  # one device tensor, updated in place

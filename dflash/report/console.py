@@ -199,6 +199,10 @@ def summary_table(summary: dict[str, Any], summary_path: Any = None) -> str:
         rows.append(("held-out", f"loss {_fmt(held.get('loss'), '.4f')} | accuracy {_fmt(held.get('accuracy'), '.3f')}"
                                  f" | tau {_fmt(held.get('tau'), '.3f')} (uniform), {_fmt(held.get('chain_tau'), '.3f')}"
                                  " (chain)"))
+    peak = summary.get("held_out_peak") or {}
+    if peak.get("past_peak_warning"):  # the run trained on past its held-out best (`dflash.run.overfitting`)
+        rows.append(("held-out peak", f"chain tau {peak['peak_chain_tau']:.3f} at step {peak['peak_step']}, past it since;"
+                                      f" {peak['epochs']:.1f} epochs in all"))
     spec = summary.get("speculative")
     if spec:
         ties = len(spec.get("numerical_ties") or [])
