@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -168,6 +169,21 @@ def test_target_mismatch_and_long_prompts(tmp_path, chat_target, tokenizer):
         regenerate(CONVERSATIONS[:1], chat_target, tokenizer, out, max_new_tokens=2, target_name="two")
     result = regenerate(CONVERSATIONS, chat_target, tokenizer, tmp_path / "short.jsonl", max_prompt_tokens=10)
     assert result.written == 0 and result.skipped["prompt longer than max_prompt_tokens"] == ANSWERABLE
+
+
+def test_a_rerun_counts_a_too_long_prompt_without_asking_it(tmp_path, chat_target, tokenizer, caplog):
+    """The prompts left out as too long are counted before any batch: a rerun over a complete file has
+    nothing to ask (the GPU preset's runs each logged "21 to ask" and "regenerated 21/21" for none written)."""
+    long = {"id": "long", "messages": [{"role": "user", "content": "word " * 60}]}
+    out = tmp_path / "regen.jsonl"
+    first = regenerate([*CONVERSATIONS, long], chat_target, tokenizer, out, max_new_tokens=2, max_prompt_tokens=40)
+    assert first.written == ANSWERABLE and first.skipped["prompt longer than max_prompt_tokens"] == 1
+    with caplog.at_level(logging.DEBUG, logger="dflash.data.regenerate"):
+        again = regenerate([*CONVERSATIONS, long], chat_target, tokenizer, out, max_new_tokens=2, max_prompt_tokens=40)
+    assert again.written == 0 and again.skipped["prompt longer than max_prompt_tokens"] == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.endswith(f"{ANSWERABLE + 1} prompts already answered (cached), 0 to ask") for m in messages), messages
+    assert not any("regenerated" in m for m in messages)
 
 
 def test_a_batch_out_of_memory_is_answered_in_halves(tmp_path, tokenizer, monkeypatch):

@@ -259,9 +259,9 @@ def regenerate(
     Only the first ``limit`` are considered. Prompts already answered in ``out_path`` are skipped
     (resume); a user turn whose context exceeds ``max_prompt_tokens`` ends its conversation; a
     conversation with no reply (no user turn, empty reply, first prompt too long) is skipped and
-    counted, and not recorded: a rerun asks again. ``target_name`` (default ``model.name_or_path``)
-    is recorded in every row. With several processes, run it on one and let the others wait: they
-    would all append to the same file.
+    counted, and not recorded: a rerun asks again (a first prompt too long is counted, never asked).
+    ``target_name`` (default ``model.name_or_path``) is recorded in every row. With several processes, run
+    it on one and let the others wait: they would all append to the same file.
 
     ``earlier``: a file of the same target and reply budget regenerated with fewer turns. For each
     conversation, the longest prefix of its user turns answered there is taken with those replies, and
@@ -278,7 +278,7 @@ def regenerate(
     answered = _answered(path, target)
     known = _earlier_replies(Path(earlier), target) if earlier and Path(earlier).exists() else {}
     seen: set[str] = set()
-    pending: list[_Chat] = []
+    queued: list[tuple[int, _Chat]] = []  # (prompt tokens, chat)
     for index, conv in enumerate(islice(conversations, limit)):
         prompt = prompt_turns(conv["messages"], turns)
         pid = prompt_id(prompt)
@@ -294,11 +294,15 @@ def regenerate(
             todo = [m for m in prompt if m["role"] == "user"]
             chat = _Chat(pid, str(conv.get("id", index)), system, todo)
             result.turns_reused += _continue_from(chat, known)
-            pending.append(chat)
+            length = len(_prompt_ids(tokenizer, [*chat.messages, *chat.todo[:1]]))
+            if length > max_prompt_tokens and not any(m["role"] == "assistant" for m in chat.messages):
+                result.skip("prompt longer than max_prompt_tokens")  # no row either way: counted, not asked
+                continue
+            queued.append((length, chat))
 
     # Batch prompts of similar length: one long prompt left-pads its whole batch, so every prompt in a
     # batch costs as much as its longest.
-    pending.sort(key=lambda chat: len(_prompt_ids(tokenizer, [*chat.messages, *chat.todo[:1]])))
+    pending = [chat for _, chat in sorted(queued, key=lambda item: item[0])]
     model.eval()
     if result.reused:
         logger.info("%s: %d prompts already answered (cached), %d to ask", path, result.reused, len(pending))
