@@ -144,6 +144,7 @@ class DFlashTrainer:
         self._adds_replicated_metrics = dist_rank == 0
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.held_out_peak = HeldOutPeak(config.batch_size * config.optim.grad_accum * self.world_size, warn=rank == 0)
+        self.last_held_out: tuple[int, dict[str, Any]] = (-1, {})  # (step, `evaluate`'s figures) of the last one `fit` made
         self.data_position = DataPosition()
         self.anchor_generator = torch.Generator(device=self.device)
         self.anchor_generator.manual_seed(anchor_seed(config.seed, 0, 0))  # alike on every rank: see _step
@@ -312,11 +313,10 @@ class DFlashTrainer:
     def fit(self) -> dict[str, Any]:
         """Train to `max_steps`: log at `log_interval`, evaluate at `eval_interval`, save at `save_interval`.
 
-        Returns a summary (final train metrics, held-out metrics, paths; `interrupted` and `signal` when
-        SIGTERM / SIGINT stopped it, the step saved). Syncs happen only at the log flush, evaluation and
-        checkpoints. The run folder is claimed and locked first (`dflash.run.folder`); a damaged newest
-        checkpoint is passed over, and what this run's interrupted saves left is removed.
-        """
+        Returns a summary (final train metrics, held-out metrics, paths; `interrupted` and `signal` when SIGTERM /
+        SIGINT stopped it, the step saved). Syncs happen only at the log flush, evaluation and checkpoints. The run
+        folder is claimed and locked first (`dflash.run.folder`); a damaged newest checkpoint is passed over, and
+        what this run's interrupted saves left is removed."""
         cfg = self.config
         start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
                      attention=resolve_attention(cfg.draft.attention, self.device))  # progress bars; rank 0's banner
@@ -429,17 +429,17 @@ class DFlashTrainer:
         if draft is None and self.fsdp and self.rank == 0:  # the other ranks report nothing (None)
             raise ValueError("under distributed: fsdp2 pass draft=trainer.consolidated_draft() (called on every rank)")
         return held_out_speculative_eval(self.target, self.tokenizer, self.draft if draft is None else draft,
-                                         conversations, rank=self.rank,
-                                         num_prompts=num_prompts or self.config.spec_eval_prompts,
+                                         conversations, rank=self.rank, num_prompts=num_prompts or self.config.spec_eval_prompts,
                                          max_new_tokens=self.config.spec_eval_max_new_tokens,
                                          chain_tau=self._chain_tau_on if self.world_size == 1 else None)
 
     def _held_out(self, dataset: Any, reporter: Reporter) -> dict[str, Any]:
-        """SYNC POINT: `evaluate`, recorded and shown to the held-out peak (`dflash.run.overfitting`)."""
-        held_out = self.evaluate(dataset)
-        self._record(reporter, {f"eval_{k}": v for k, v in held_out.items()})
-        self.held_out_peak.see(self.step, held_out["chain_tau"])
-        return held_out
+        """SYNC POINT: `evaluate` once a step (a run's end reuses its interval's), recorded, shown to the held-out peak."""
+        if self.last_held_out[0] != self.step:
+            self.last_held_out = (self.step, self.evaluate(dataset))
+            self._record(reporter, {f"eval_{k}": v for k, v in self.last_held_out[1].items()})
+            self.held_out_peak.see(self.step, self.last_held_out[1]["chain_tau"])
+        return self.last_held_out[1]
 
     def _chain_tau_on(self, texts: list[tuple[list[int], list[int]]]) -> float:
         """`evaluate`'s chain tau over rows `prompt + output`, supervising the output."""

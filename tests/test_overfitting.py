@@ -53,11 +53,11 @@ def test_an_evaluation_repeated_at_the_same_step_counts_once():
 
 
 def test_fit_warns_and_summarizes_the_peak(tmp_path, monkeypatch, caplog):
-    """Wired into `fit`: every interval's held-out evaluation and the final one reach the peak; epochs come from
-    the corpus (6 steps of 4 rows over 24 training rows: 1.0)."""
+    """Wired into `fit`: every interval's held-out evaluation reaches the peak, and the end of the run reuses step
+    6's; epochs come from the corpus (6 steps of 4 rows over 24 training rows: 1.0)."""
     trainer = fresh_trainer(run_config(tmp_path / "run", eval_interval=1),
                             dataset=(tokenized_rows(24), tokenized_rows(8, seed=1)))
-    scripted = iter([2.0, 3.0, 2.9, 2.8, 2.7, 2.6, 2.6])  # steps 1..6, then the final evaluation of step 6
+    scripted = iter([2.0, 3.0, 2.9, 2.8, 2.7, 2.6])  # steps 1..6; the end takes step 6's, not a 7th evaluation
     monkeypatch.setattr(trainer, "evaluate", lambda dataset, **kw: {"loss": 1.0, "chain_tau": next(scripted)})
     with caplog.at_level(logging.WARNING, logger="dflash"):
         summary = trainer.fit()
@@ -65,4 +65,4 @@ def test_fit_warns_and_summarizes_the_peak(tmp_path, monkeypatch, caplog):
     assert len(warned) == 1 and "2.700 at step 5 (epoch 0.8)" in warned[0] and "max_steps=2" in warned[0]
     assert summary["held_out_peak"] == {"peak_step": 2, "peak_chain_tau": 3.0, "last_step": 6, "last_chain_tau": 2.6,
                                         "epochs": 1.0, "past_peak_warning": True}
-    assert next(scripted, None) is None  # every scripted evaluation was taken
+    assert next(scripted, None) is None and summary["held_out"]["chain_tau"] == 2.6  # all six taken, no seventh

@@ -44,7 +44,7 @@ class HeldOutPeak:
     def see(self, step: int, chain_tau: float) -> str | None:
         """Record one evaluation at `step`; the warning the first time the chain τ̂ has stayed more than
         `TOLERANCE` below its best for `PATIENCE` evaluations in a row, else None. A second evaluation of
-        the same step (the run's final one after an interval's) counts once."""
+        the same step (the same weights) counts once."""
         if step == self.last_step:
             return None
         self.last, self.last_step = chain_tau, step
