@@ -41,14 +41,17 @@ def test_a_split_with_no_training_conversation_left_is_an_error():
         split_held_out([conv(str(i), "hello?") for i in range(5)], 1)
 
 
-def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkeypatch):
-    """A regenerated training file written before the split dropped such conversations still holds their
-    rows: the corpus keeps only the rows the run asked for before tokenizing, and counts the others."""
+def cached_corpus(tmp_path, monkeypatch, copies: int) -> tuple[list[dict], list[dict], dict, dict]:
+    """`prepare_corpus` over a regeneration cache written before the corpus split and locked its files: one
+    row per distinct first prompt of every conversation (held-out openers included), `copies` times over
+    (two runs that regenerated it at once wrote 2). Returns (cached rows, held-out conversations, the rows
+    each file held when tokenized, the corpus description)."""
     source = tmp_path / "convs.jsonl"
     convs = conversations()
     source.write_text("\n".join(json.dumps(c) for c in convs))
     settings = DataSettings(source=str(source), eval_size=6, cache_dir=str(tmp_path))
     _, held = split_held_out(convs, 6)
+    cached = list({first_prompt_id(c): c for c in convs}.values())  # regenerate asks a prompt once
 
     def row(c) -> str:
         users = [m for m in c["messages"] if m["role"] == "user"][:1]
@@ -58,8 +61,8 @@ def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkey
 
     def fake_regenerate(rows, model, tokenizer, out_path, **kwargs):
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        if not Path(out_path).exists():  # the old cache: every conversation's row, held-out openers included
-            Path(out_path).write_text("".join(row(c) for c in convs))
+        if not Path(out_path).exists():
+            Path(out_path).write_text("".join(row(c) for c in cached) * copies)
         return SimpleNamespace(path=Path(out_path))
 
     read = {}
@@ -71,16 +74,36 @@ def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkey
     monkeypatch.setattr(corpus, "regenerate", fake_regenerate)
     monkeypatch.setattr(corpus, "build_dataset", fake_build)
     result = corpus.prepare_corpus(settings, tokenizer=None, target_model=None, target_name="t")
+    files = {part: read[corpus._regenerated_file(settings, tmp_path, "t", part, weights_fingerprint("t")).name]
+             for part in ("train", "eval")}
+    return cached, held, files, result.description
+
+
+def test_cached_rows_opening_with_a_held_out_prompt_are_dropped(tmp_path, monkeypatch):
+    """A regenerated training file written before the split dropped such conversations still holds their
+    rows: the corpus keeps only the rows the run asked for before tokenizing, and counts the others."""
+    cached, held, files, description = cached_corpus(tmp_path, monkeypatch, copies=1)
     held_prompts = {first_prompt_id(c) for c in held}
-    train_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "train", weights_fingerprint("t")).name]
-    stale = sum(first_prompt_id(c) in held_prompts for c in convs)
-    assert stale > 6  # "hello?" is held out: its 20 conversations' rows were in the cache
-    assert not held_prompts & {r["prompt_id"] for r in train_rows}
-    assert len(train_rows) == len(convs) - stale
-    # The fake cache gave the held-out file every conversation's row too: it keeps the held-out prompts only.
-    eval_rows = read[corpus._regenerated_file(settings, tmp_path, "t", "eval", weights_fingerprint("t")).name]
-    assert {r["prompt_id"] for r in eval_rows} == held_prompts and len(eval_rows) == stale
-    assert result.description["cached_rows_not_asked_for"] == {"train": stale, "eval": len(convs) - stale}
+    stale = sum(first_prompt_id(c) in held_prompts for c in cached)
+    assert stale >= 2  # "hello?" is held out, and its row was in the cache
+    assert not held_prompts & {r["prompt_id"] for r in files["train"]}
+    assert len(files["train"]) == len(cached) - stale
+    # The fake cache gave the held-out file every prompt's row too: it keeps the held-out prompts only.
+    assert {r["prompt_id"] for r in files["eval"]} == held_prompts and len(files["eval"]) == stale
+    assert description["cached_rows_not_asked_for"] == {"train": stale, "eval": len(cached) - stale}
+
+
+def test_a_cache_two_runs_wrote_at_once_keeps_one_row_per_prompt(tmp_path, monkeypatch):
+    """Two runs that regenerated the same file at once, before `cache_writer` locked it, appended every row
+    twice: the held-out evaluation scored each prompt twice. The corpus keeps the first row of each."""
+    cached, held, files, description = cached_corpus(tmp_path, monkeypatch, copies=2)
+    held_prompts = {first_prompt_id(c) for c in held}
+    for part, rows in files.items():
+        ids = [r["prompt_id"] for r in rows]
+        assert len(ids) == len(set(ids)), part
+    assert {r["prompt_id"] for r in files["eval"]} == held_prompts
+    written = 2 * len(cached) * 2  # both files, every row twice
+    assert sum(description["cached_rows_not_asked_for"].values()) == written - len(files["train"]) - len(files["eval"])
 
 
 def test_standalone_turns_ask_each_user_message_on_its_own():

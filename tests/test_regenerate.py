@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import LlamaForCausalLM
 
 import dflash.data.corpus as corpus
@@ -134,6 +137,26 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path, chat_target, token
     rows = read_rows(out)
     assert len({r["prompt_id"] for r in rows}) == len(rows) == ANSWERABLE
     assert rows == read_rows(clean)
+
+
+def test_a_second_process_waits_for_the_first_and_reuses_its_rows(tmp_path, chat_target, tokenizer, caplog):
+    """Two runs sharing a cache regenerate the same file one after the other: the second, started while the
+    first holds the file's lock, asks nothing and appends nothing (unlocked, both appended every row)."""
+    first = tmp_path / "first.jsonl"
+    regenerate(CONVERSATIONS, chat_target, tokenizer, first, batch_size=2, max_new_tokens=4)
+    out = tmp_path / "regen.jsonl"
+    results = []
+    with FileLock(f"{out}.lock"):  # the first run, mid-regeneration
+        second = threading.Thread(target=lambda: results.append(
+            regenerate(CONVERSATIONS, chat_target, tokenizer, out, batch_size=2, max_new_tokens=4)))
+        with caplog.at_level(logging.INFO, logger="dflash.data.regenerate"):
+            second.start()
+            time.sleep(0.5)
+            out.write_bytes(first.read_bytes())  # the first run's rows land
+    second.join(timeout=60)
+    assert (results[0].written, results[0].reused) == (0, ANSWERABLE + 1)
+    assert out.read_bytes() == first.read_bytes()
+    assert "another process is writing it" in caplog.text
 
 
 def test_limit_then_complete(tmp_path, chat_target, tokenizer):

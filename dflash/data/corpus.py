@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dflash.config import DataSettings
 from dflash.data.feature_data import FeatureDataset, read_split_record, run_feature_parts
-from dflash.data.regenerate import prompt_id, prompt_turns, regenerate
+from dflash.data.regenerate import cache_writer, prompt_id, prompt_turns, regenerate
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import build_dataset, check_token_absent
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
@@ -184,18 +184,27 @@ def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], sett
 
 
 def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int) -> int:
-    """Rewrite the regenerated file `path` to the rows whose prompts `rows` ask (with `turns` user turns
-    each), and return how many it dropped. Regeneration appends to a cache and skips what is there, so a
-    file can hold rows no longer asked for: one written before `split_held_out` dropped training
-    conversations that open with a held-out prompt holds the very text the evaluation decodes."""
+    """Rewrite the regenerated file `path` to the first row of each prompt that `rows` ask (with `turns`
+    user turns each), and return how many rows it dropped. Regeneration appends to a cache and skips what
+    is there, so a file can hold rows no longer asked for (one written before `split_held_out` dropped
+    training conversations that open with a held-out prompt holds the very text the evaluation decodes)
+    and, written before `cache_writer` locked it, the rows of two runs that regenerated it at once (every
+    held-out prompt twice)."""
     asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
-    lines = path.read_bytes().splitlines(keepends=True)
-    kept = [line for line in lines if not line.strip() or json.loads(line)["prompt_id"] in asked]
-    if len(kept) < len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(b"".join(kept))
-        tmp.replace(path)
-        log.info("%s: dropped %d cached rows this run did not ask for", path, len(lines) - len(kept))
+    with cache_writer(path):  # no run appends while this one rewrites
+        lines = [line for line in path.read_bytes().splitlines(keepends=True) if line.strip()]
+        kept, seen = [], set()
+        for line in lines:
+            pid = json.loads(line)["prompt_id"]
+            if pid in asked and pid not in seen:
+                kept.append(line)
+            seen.add(pid)
+        if len(kept) < len(lines):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(b"".join(kept))
+            tmp.replace(path)
+            log.info("%s: dropped %d cached rows this run did not ask for or that repeat a prompt", path,
+                     len(lines) - len(kept))
     return len(lines) - len(kept)
 
 

@@ -20,12 +20,14 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 
 from dflash.report.console import ProgressBar
 
@@ -237,6 +239,25 @@ def _answer_in_memory(
                    for part in (chats[:half], chats[half:]))
 
 
+@contextmanager
+def cache_writer(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock (``<path>.lock``) while a process reads and then appends or rewrites it. Two
+    runs sharing a cache (the seeds of a sweep started together) would otherwise both find no prompt
+    answered, both ask every prompt and both append every row: each prompt twice in the file, and lines
+    of the two interleaved where a flush spans several writes. The second waits and then finds the
+    first's rows answered. The lock is advisory and per host (``flock``), like the run folder's."""
+    lock = FileLock(f"{path}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("%s: another process is writing it; waiting for %s", path, lock.lock_file)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def regenerate(
     conversations: Iterable[Mapping[str, Any]],
     model: Any,
@@ -260,8 +281,9 @@ def regenerate(
     (resume); a user turn whose context exceeds ``max_prompt_tokens`` ends its conversation; a
     conversation with no reply (no user turn, empty reply, first prompt too long) is skipped and
     counted, and not recorded: a rerun asks again (a first prompt too long is counted, never asked).
-    ``target_name`` (default ``model.name_or_path``) is recorded in every row. With several processes, run
-    it on one and let the others wait: they would all append to the same file.
+    ``target_name`` (default ``model.name_or_path``) is recorded in every row. Processes asking for the same
+    file take turns (:func:`cache_writer`): the later ones reuse the first's rows. The ranks of one run
+    still regenerate on one and let the others wait, rather than queue for the lock.
 
     ``earlier``: a file of the same target and reply budget regenerated with fewer turns. For each
     conversation, the longest prefix of its user turns answered there is taken with those replies, and
@@ -275,59 +297,60 @@ def regenerate(
     path.parent.mkdir(parents=True, exist_ok=True)
     target = target_name or getattr(model, "name_or_path", "") or type(model).__name__
     result = RegenerateResult(path)
-    answered = _answered(path, target)
-    known = _earlier_replies(Path(earlier), target) if earlier and Path(earlier).exists() else {}
-    seen: set[str] = set()
-    queued: list[tuple[int, _Chat]] = []  # (prompt tokens, chat)
-    for index, conv in enumerate(islice(conversations, limit)):
-        prompt = prompt_turns(conv["messages"], turns)
-        pid = prompt_id(prompt)
-        if not any(m["role"] == "user" for m in prompt):
-            result.skip("no user turn")
-        elif pid in answered:
-            result.reused += 1
-        elif pid in seen:
-            result.skip("duplicate prompt")
-        else:
-            seen.add(pid)
-            system = [m for m in prompt if m["role"] == "system"]
-            todo = [m for m in prompt if m["role"] == "user"]
-            chat = _Chat(pid, str(conv.get("id", index)), system, todo)
-            result.turns_reused += _continue_from(chat, known)
-            length = len(_prompt_ids(tokenizer, [*chat.messages, *chat.todo[:1]]))
-            if length > max_prompt_tokens and not any(m["role"] == "assistant" for m in chat.messages):
-                result.skip("prompt longer than max_prompt_tokens")  # no row either way: counted, not asked
-                continue
-            queued.append((length, chat))
-
-    # Batch prompts of similar length: one long prompt left-pads its whole batch, so every prompt in a
-    # batch costs as much as its longest.
-    pending = [chat for _, chat in sorted(queued, key=lambda item: item[0])]
-    model.eval()
-    if result.reused:
-        logger.info("%s: %d prompts already answered (cached), %d to ask", path, result.reused, len(pending))
-    bar = ProgressBar(len(pending), desc="regenerating", unit="prompt", enabled=progress) if pending else None
-    with open(path, "a", encoding="utf-8") as f:
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start : start + batch_size]
-            result.batches_split += _answer_in_memory(batch, model, tokenizer, max_new_tokens, max_prompt_tokens)
-            for chat in batch:
-                if not any(m["role"] == "assistant" for m in chat.messages):
-                    result.skip(chat.stop_reason)
+    with cache_writer(path):  # one writer: a second process waits, then reuses these rows
+        answered = _answered(path, target)
+        known = _earlier_replies(Path(earlier), target) if earlier and Path(earlier).exists() else {}
+        seen: set[str] = set()
+        queued: list[tuple[int, _Chat]] = []  # (prompt tokens, chat)
+        for index, conv in enumerate(islice(conversations, limit)):
+            prompt = prompt_turns(conv["messages"], turns)
+            pid = prompt_id(prompt)
+            if not any(m["role"] == "user" for m in prompt):
+                result.skip("no user turn")
+            elif pid in answered:
+                result.reused += 1
+            elif pid in seen:
+                result.skip("duplicate prompt")
+            else:
+                seen.add(pid)
+                system = [m for m in prompt if m["role"] == "system"]
+                todo = [m for m in prompt if m["role"] == "user"]
+                chat = _Chat(pid, str(conv.get("id", index)), system, todo)
+                result.turns_reused += _continue_from(chat, known)
+                length = len(_prompt_ids(tokenizer, [*chat.messages, *chat.todo[:1]]))
+                if length > max_prompt_tokens and not any(m["role"] == "assistant" for m in chat.messages):
+                    result.skip("prompt longer than max_prompt_tokens")  # no row either way: counted, not asked
                     continue
-                row = {
-                    "messages": chat.messages,
-                    "prompt_id": chat.prompt_id,
-                    "target": target,
-                    "source_id": chat.source_id,
-                    "truncated": chat.truncated,
-                }
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                result.written += 1
-            f.flush()  # a finished batch survives an interruption
-            bar.update(len(batch))  # the bar shows it; without one (other ranks, progress off) a log line does
-            logger.log(logging.DEBUG if bar.enabled else logging.INFO, "regenerated %d/%d prompts",
-                       min(start + batch_size, len(pending)), len(pending))
+                queued.append((length, chat))
+
+        # Batch prompts of similar length: one long prompt left-pads its whole batch, so every prompt in a
+        # batch costs as much as its longest.
+        pending = [chat for _, chat in sorted(queued, key=lambda item: item[0])]
+        model.eval()
+        if result.reused:
+            logger.info("%s: %d prompts already answered (cached), %d to ask", path, result.reused, len(pending))
+        bar = ProgressBar(len(pending), desc="regenerating", unit="prompt", enabled=progress) if pending else None
+        with open(path, "a", encoding="utf-8") as f:
+            for start in range(0, len(pending), batch_size):
+                batch = pending[start : start + batch_size]
+                result.batches_split += _answer_in_memory(batch, model, tokenizer, max_new_tokens, max_prompt_tokens)
+                for chat in batch:
+                    if not any(m["role"] == "assistant" for m in chat.messages):
+                        result.skip(chat.stop_reason)
+                        continue
+                    row = {
+                        "messages": chat.messages,
+                        "prompt_id": chat.prompt_id,
+                        "target": target,
+                        "source_id": chat.source_id,
+                        "truncated": chat.truncated,
+                    }
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    result.written += 1
+                f.flush()  # a finished batch survives an interruption
+                bar.update(len(batch))  # the bar shows it; without one (other ranks, progress off) a log line does
+                logger.log(logging.DEBUG if bar.enabled else logging.INFO, "regenerated %d/%d prompts",
+                           min(start + batch_size, len(pending)), len(pending))
     if bar is not None:
         bar.close()
     taken = f" ({result.turns_reused} replies in them taken from {earlier})" if earlier is not None else ""
