@@ -7,10 +7,10 @@ CPU (2 cores, at most 15 minutes end to end): a short regeneration (cached for t
 DFlash 2 draft with blocks of 4 trained with Muon at lr 3e-3, 150 steps (a 7-minute budget caps them), then
 export and a real speculative evaluation on 20 held-out prompts. DFlash 2 beat DFlash in that same budget on
 two seeds (real τ 2.054 / 2.104 against 1.853 / 1.927, docs/benchmarks.md, 2026-12-04); Domino, whose step
-costs 2.4 DFlash steps there, lost at equal time. GPU: the same recipe at full size (the first three user
-messages of every chitchat conversation regenerated as single-turn prompts, larger batches, bf16 + flex
-attention, a 10-minute training budget) with a compiled Domino draft, whose real τ beat DFlash's at the same
-3000 steps (docs/benchmarks.md, 2026-12-03).
+costs 2.4 DFlash steps there, lost at equal time. GPU: the same recipe at full size (every user message
+of every chitchat conversation regenerated as a single-turn prompt, larger batches, bf16 + flex attention,
+5000 steps in a 10-minute training budget) with a compiled Domino draft, whose real τ beat DFlash's at the
+same steps (docs/benchmarks.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -67,16 +67,20 @@ EMBEDDED_GPU: dict[str, Any] = {
     "data.bucket_multiple": 128,
     "data.eval_size": 64,
     "data.regenerate_max_new_tokens": 256,
-    # The first three user messages of every training conversation, each asked as a single-turn prompt
-    # like the evaluation's: more prompts of the kind the speculative evaluation decodes, which beat
-    # two turns per conversation on real τ (docs/benchmarks.md). Regenerated once at a large batch: HF
-    # generate is bound by per-step overhead at this model size, so a larger batch is nearly free.
+    # Every user message of every training conversation (1000: chitchat's longest conversation has 564
+    # turns), each asked as a single-turn prompt like the evaluation's: more prompts of the kind the
+    # speculative evaluation decodes. 57,741 rows against the first three turns' 10,396: at 3000 steps the
+    # three-turn file was 9 epochs in and overfit past step 3500; this one is 2.8 epochs in at 5000 steps.
+    # Real tau 4.263 (seed 0) against 3.896 / 3.737, held-out chain tau 4.244 / 4.238 at step 5500 (two seeds)
+    # against 3.719 / 3.604 (docs/benchmarks.md, 2026-12-05 and 12-06). Regenerated once at a large batch
+    # (7.2 minutes on an H100): HF generate is bound by per-step overhead at this model size, so a larger
+    # batch is nearly free.
     "data.regenerate_turns": 1,
-    "data.standalone_turns": 3,
-    "data.regenerate_batch_size": 1024,
-    # 3000 steps (9 epochs of the 10,396 rows), not the 9000 that fill the budget: at 9000 the held-out chain tau
-    # peaked at step 3500 and real tau fell to 3.584 against 3.896 (overfitting; docs/benchmarks.md, 2026-12-04).
-    "max_steps": 3000,
+    "data.standalone_turns": 1000,
+    "data.regenerate_batch_size": 4096,
+    # 5000 steps, inside the 10-minute budget: on an H100 steps 100-5000 took 5.4 minutes and the held-out
+    # evaluations every 500 about 2 more (docs/benchmarks.md, 2026-12-06).
+    "max_steps": 5000,
     "time_budget_minutes": 10.0,
     "log_interval": 50,
     "eval_interval": 500,

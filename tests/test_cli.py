@@ -89,10 +89,10 @@ def test_gpu_preset_leaves_linked_data_keys_to_the_user():
     """The GPU preset asks standalone prompts (one turn each); a user who sets how many turns the target
     answers gets none of the preset's turn settings, not a config error."""
     preset = TrainConfig.from_sources(None, ["device=cuda"])
-    assert (preset.data.regenerate_turns, preset.data.standalone_turns, preset.max_steps) == (1, 3, 3000)
+    assert (preset.data.regenerate_turns, preset.data.standalone_turns, preset.max_steps) == (1, 1000, 5000)
     turns = TrainConfig.from_sources(None, ["device=cuda", "data.regenerate_turns=2"])
     assert (turns.data.regenerate_turns, turns.data.standalone_turns) == (2, 1)
-    assert turns.max_steps == 3000  # keys outside the linked group still come from the preset
+    assert turns.max_steps == 5000  # keys outside the linked group still come from the preset
     plain = TrainConfig.from_sources(None, ["device=cuda", "data.regenerate=false"])
     assert (plain.data.regenerate, plain.data.standalone_turns) == (False, 1)
 
