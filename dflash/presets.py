@@ -73,13 +73,13 @@ EMBEDDED_GPU: dict[str, Any] = {
     # three-turn file was 9 epochs in and overfit past step 3500; this one is 2.8 epochs in at 5000 steps.
     # Real tau 4.263 (seed 0) against 3.896 / 3.737, held-out chain tau 4.244 / 4.238 at step 5500 (two seeds)
     # against 3.719 / 3.604 (docs/benchmarks.md, 2026-12-05 and 12-06). Regenerated once at a large batch
-    # (7.2 minutes on an H100): HF generate is bound by per-step overhead at this model size, so a larger
-    # batch is nearly free.
+    # (7.9 minutes on an H100, the target's load included): HF generate is bound by per-step overhead at this
+    # model size, so a larger batch is nearly free.
     "data.regenerate_turns": 1,
     "data.standalone_turns": 1000,
     "data.regenerate_batch_size": 4096,
-    # 5000 steps, inside the 10-minute budget: on an H100 steps 100-5000 took 5.4 minutes and the held-out
-    # evaluations every 500 about 2 more (docs/benchmarks.md, 2026-12-06).
+    # 5000 steps, inside the 10-minute budget: on an H100 steps 100-5000 took 5.4 minutes, the held-out
+    # evaluations every 500 included (docs/benchmarks.md, 2026-12-06).
     "max_steps": 5000,
     "time_budget_minutes": 10.0,
     "log_interval": 50,
