@@ -26,6 +26,7 @@ Kind = Literal["dflash", "domino", "dflash2", "dspark"]
 Attention = Literal["auto", "sdpa", "flex"]
 PositionWeights = Literal["decay", "dpace", "none"]
 Labels = Literal["data", "target"]
+Engine = Literal["transformers", "vllm", "openai"]  # who answers the prompts when data.regenerate is on
 Distributed = Literal["ddp", "fsdp2"]  # how the draft is spread over processes (one process: no effect)
 ComputeDtype = Literal["auto", "float32", "bfloat16"]
 ParamDtype = Literal["float32", "bfloat16"]
@@ -90,6 +91,18 @@ class DataSettings:
     regenerate_max_new_tokens: int = 256
     regenerate_batch_size: int = 32
     regenerate_max_prompt_tokens: int = 1024  # longer prompts are skipped (and counted)
+    # Who answers: transformers (generate() in this process), vllm (vLLM's offline engine in this process, over
+    # regenerate_tensor_parallel local GPUs) or openai (any OpenAI-compatible server at regenerate_url).
+    regenerate_engine: Engine = "transformers"
+    regenerate_tensor_parallel: int = 1  # vllm: GPUs the engine shards the target over
+    regenerate_url: str | None = None  # openai: the server's base URL, e.g. http://localhost:8000/v1
+    regenerate_model: str | None = None  # openai: the served model's name (default: the server's only model)
+    # openai: names the served weights in the cache key beside what the server reports (a revision, a hash);
+    # without it the run cannot tell other weights served under the same name and says so
+    regenerate_fingerprint: str | None = None
+    regenerate_concurrency: int = 32  # openai: requests in flight
+    regenerate_timeout: float = 600.0  # openai: seconds per request before it is retried
+    regenerate_retries: int = 4  # openai: tries after the first for a refused, timed-out or 5xx request
     # User turns answered per training conversation, each reply becoming context for the next (more
     # target text from the same prompts). Held-out rows keep 1: their first user turns are the
     # speculative-evaluation prompts, so the held-out chain τ̂ scores what real decoding sees.
@@ -214,6 +227,12 @@ class TrainConfig:
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
             (self.data.regenerate_turns >= 1, "data.regenerate_turns must be >= 1"),
+            (self.data.regenerate_engine != "openai" or bool(self.data.regenerate_url),
+             "data.regenerate_engine=openai needs data.regenerate_url (the server's base URL, e.g. http://localhost:8000/v1)"),
+            (self.data.regenerate_concurrency >= 1, "data.regenerate_concurrency must be >= 1"),
+            (self.data.regenerate_timeout > 0, "data.regenerate_timeout must be > 0 (seconds)"),
+            (self.data.regenerate_retries >= 0, "data.regenerate_retries must be >= 0"),
+            (self.data.regenerate_tensor_parallel >= 1, "data.regenerate_tensor_parallel must be >= 1"),
             (self.data.standalone_turns >= 1, "data.standalone_turns must be >= 1"),
             (self.data.standalone_turns == 1 or (self.data.regenerate and self.data.regenerate_turns == 1),
              "data.standalone_turns > 1 asks user messages as single-turn prompts of the target: it needs "

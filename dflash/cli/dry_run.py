@@ -14,6 +14,7 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations, split_warning
 from dflash.data.regenerate import prompt_id, prompt_turns
+from dflash.data.repliers import target_identity
 from dflash.data.sources import local_source
 from dflash.embedded import cache_root, embedded_target_dir
 from dflash.factory import draft_config_for, offline_target
@@ -23,7 +24,7 @@ from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies
 from dflash.run.folder import check_folder
-from dflash.runtime import check_run_settings, resolve_device, resolve_dtype, weights_fingerprint
+from dflash.runtime import check_run_settings, resolve_device, resolve_dtype
 from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
 
 
@@ -85,12 +86,13 @@ def phases(config: TrainConfig) -> dict[str, Any]:
         out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
     elif d.regenerate:
         root = Path(d.cache_dir) if d.cache_dir else cache_root()
-        weights = weights_fingerprint(config.target)  # as the run keys its cache: by the weight files
-        cached = [_cached(r, _regenerated_file(d, root, config.target, part, weights), turns)
+        identity = target_identity(d, config.target)  # as the run keys its cache (a server is asked what it serves)
+        cached = [_cached(r, _regenerated_file(d, root, config.target, part, identity.fingerprint), turns)
                   for r, part, turns in ((prompts, "train", d.regenerate_turns), (held, "eval", 1))]
         out["phase_regeneration"] = (f"{len(prompts):,} training prompts ({cached[0]:,} cached) and {len(held):,} held-out "
                                      f"prompts ({cached[1]:,} cached), at most {d.regenerate_max_new_tokens} new tokens "
-                                     f"each, {d.regenerate_batch_size} per batch")
+                                     f"each, {d.regenerate_batch_size} per batch; "
+                                     f"{identity.describe(config.target, d)}")
     else:
         out["phase_regeneration"] = "off (data.regenerate=false: the data's own replies)"
     epochs = config.max_steps * rows / max(len(prompts), 1)

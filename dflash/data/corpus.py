@@ -22,10 +22,12 @@ import torch.distributed as dist
 from dflash.config import DataSettings
 from dflash.data.feature_data import FeatureDataset, read_split_record, run_feature_parts
 from dflash.data.regenerate import cache_writer, prompt_id, prompt_turns, regenerate
+from dflash.data.repliers import TargetIdentity, make_replier, target_identity
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import build_dataset, check_token_absent
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
-from dflash.runtime import load_target, resolve_device, resolve_dtype, weights_fingerprint
+from dflash.engines import Replier
+from dflash.runtime import load_target, load_tokenizer, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,8 @@ def _split_tag(settings: DataSettings) -> str:
 
 def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part: str, weights: str) -> Path:
     """The regenerated JSONL file of one part ("train" or "eval") under `root`, named by the target and its
-    weights (`runtime.weights_fingerprint`: other weights behind the same name never reuse these replies),
-    the split and the regeneration settings that change its rows."""
+    identity (`repliers.target_identity`: other weights behind the same name never reuse these replies), the
+    split and the regeneration settings that change its rows."""
     tag = _split_tag(settings)
     safe_target = f"{cache_slug(target_name, 60, keep_end=True)}-w{weights}"
     turns = _regenerate_turns(settings, part)
@@ -131,36 +133,53 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
     return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}{suffix}-{part}.jsonl"
 
 
-def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, model: Any, tokenizer: Any,
+def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: Path, replier: Replier, tokenizer: Any,
                      target_name: str, part: str, weights: str) -> Any:
-    """Regenerate one part ("train" or "eval") of the split into its cached file. A run takes the replies
-    already generated from the existing file of the same settings with the most turns below its own:
-    `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a standalone
-    run (whose 1 is the first-turn file)."""
+    """Regenerate one part ("train" or "eval") of the split into its cached file, answered by `replier`. A run
+    takes the replies already generated from the existing file of the same settings with the most turns below
+    its own: `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a
+    standalone run (whose 1 is the first-turn file)."""
     turns = _regenerate_turns(settings, part)
     key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
                   else ("regenerate_turns", turns))
     fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part, weights)
              for k in range(count - 1, 0, -1))
     earlier = next((path for path in fewer if path.exists()), None)
-    log.info("regeneration cache for %s keyed by its weights' fingerprint %s (other weights never reuse it)",
-                target_name, weights)
-    return regenerate(rows, model, tokenizer, _regenerated_file(settings, root, target_name, part, weights),
+    return regenerate(rows, replier, tokenizer, _regenerated_file(settings, root, target_name, part, weights),
                       batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
                       max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
                       earlier=earlier)
 
 
+def _identity(settings: DataSettings, target_name: str) -> TargetIdentity:
+    """`target_identity`, logged once per run (a warning when a server's weights cannot be verified)."""
+    identity = target_identity(settings, target_name)
+    log.log(logging.INFO if identity.verified else logging.WARNING, "regeneration cache: %s",
+            identity.describe(target_name, settings))
+    return identity
+
+
 def regenerate_source(config: Any) -> Any:
-    """`dflash generate`: regenerate the training split of `config.data` with `config.target` (cached)."""
+    """`dflash generate`: regenerate the training split of `config.data` with `config.target` (cached). Only the
+    transformers engine loads the target's weights here; vLLM reads its folder, a server needs the tokenizer."""
     settings = config.data
     device = resolve_device(config.device)
-    model, tokenizer = load_target(config.target, resolve_dtype(config.dtype, device))
-    model.to(device)
+    dtype = resolve_dtype(config.dtype, device)
+    identity = _identity(settings, config.target)
+    model = None
+    if settings.regenerate_engine == "transformers":
+        model, tokenizer = load_target(config.target, dtype)
+        model.to(device)
+    else:
+        tokenizer = load_tokenizer(config.target)
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
     train, held, _, _ = split_conversations(settings)
-    return _regenerate_part(_training_rows(train, held, settings), settings, root, model, tokenizer, config.target,
-                            "train", weights_fingerprint(config.target))
+    replier = make_replier(settings, config.target, tokenizer, identity, model=model, device=device, dtype=dtype)
+    try:
+        return _regenerate_part(_training_rows(train, held, settings), settings, root, replier, tokenizer, config.target,
+                                "train", identity.fingerprint)
+    finally:
+        replier.close()
 
 
 def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], settings: DataSettings) -> list[dict[str, Any]]:
@@ -214,18 +233,25 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     train, held, used, total = split_conversations(settings)
     paths: dict[str, Path] = {}
     dropped: dict[str, int] = {}
-    weights = ""
-    for name, rows in {"train": train, "eval": held}.items():
-        if not rows:
-            continue
-        if settings.regenerate:
-            if name == "train":
-                rows = _training_rows(rows, held, settings)
-            weights = weights or weights_fingerprint(target_name)  # once: it reads the weight files
-            paths[name] = _regenerate_part(rows, settings, root, target_model, tokenizer, target_name, name, weights).path
-            dropped[name] = _keep_rows_asked_for(paths[name], rows, _regenerate_turns(settings, name))
-        else:
-            paths[name] = _write_jsonl(rows, root / "splits" / f"{_split_tag(settings)}-{name}.jsonl")
+    # Once for both parts: the identity reads the weight files (or asks the server), and an engine started for the
+    # training prompts answers the held-out ones too. A vLLM engine starts only if a prompt is not cached.
+    identity = _identity(settings, target_name) if settings.regenerate else None
+    replier = make_replier(settings, target_name, tokenizer, identity, model=target_model) if identity else None
+    try:
+        for name, rows in {"train": train, "eval": held}.items():
+            if not rows:
+                continue
+            if replier is not None:
+                if name == "train":
+                    rows = _training_rows(rows, held, settings)
+                paths[name] = _regenerate_part(rows, settings, root, replier, tokenizer, target_name, name,
+                                               identity.fingerprint).path
+                dropped[name] = _keep_rows_asked_for(paths[name], rows, _regenerate_turns(settings, name))
+            else:
+                paths[name] = _write_jsonl(rows, root / "splits" / f"{_split_tag(settings)}-{name}.jsonl")
+    finally:
+        if replier is not None:
+            replier.close()  # before training: a vLLM engine holds memory and processes
     datasets = {name: build_dataset(str(path), tokenizer, settings.max_length, cache_dir=root / "datasets")
                 for name, path in paths.items()}
     description = {

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from filelock import FileLock, Timeout
 
+from dflash.engines import Replier, Reply
 from dflash.report.console import ProgressBar
 
 logger = logging.getLogger(__name__)
@@ -142,9 +143,15 @@ def _continue_from(chat: _Chat, known: Mapping[str, tuple[list[str], bool]]) -> 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """Token ids that end a reply, sorted: the generation config's eos ids (when the model has a
-    generation config) and the tokenizer's eos. Regeneration and the speculative evaluation both stop
-    on these. Raises when there is none: a reply would then only ever end at its token budget."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    generation config) and the tokenizer's eos. Regeneration (every engine) and the speculative evaluation
+    all stop on these. Raises when there is none: a reply would then only ever end at its token budget."""
+    return generation_stop_ids(getattr(model, "generation_config", None), tokenizer)
+
+
+def generation_stop_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """`stop_token_ids` from a generation config (None: the tokenizer's eos alone) rather than a model: an
+    engine's target is a folder, not a loaded model."""
+    configured = getattr(generation_config, "eos_token_id", None)
     ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
@@ -159,9 +166,7 @@ def _prompt_ids(tokenizer: Any, context: Sequence[Message]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _generate(
-    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
-) -> list[tuple[str, bool]]:
+def _generate(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Reply]:
     """Greedy replies to token-id ``prompts`` in one batched ``generate``: (text, finished).
 
     Prompts are left-padded into a [B, P] batch, so every reply starts at column P; ``finished`` is
@@ -190,9 +195,24 @@ def _generate(
     return replies
 
 
-def _answer(
-    chats: list[_Chat], model: Any, tokenizer: Any, max_new_tokens: int, max_prompt_tokens: int
-) -> None:
+class TransformersReplier:
+    """The `Replier` of an HF model in this process (`data.regenerate_engine: transformers`): left-padded
+    batches through `model.generate` (`_generate`)."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    def reply(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Reply]:
+        if self.model is None:
+            raise ValueError("data.regenerate_engine=transformers answers with the target loaded in this process, and "
+                             "none was given")
+        return _generate(self.model.eval(), self.tokenizer, prompts, max_new_tokens)
+
+    def close(self) -> None:
+        """Nothing to free: the model is the run's."""
+
+
+def _answer(chats: list[_Chat], replier: Replier, tokenizer: Any, max_new_tokens: int, max_prompt_tokens: int) -> None:
     """Answer every chat's user turns in sequence, batching the chats still going at each round."""
     while active := [c for c in chats if c.todo and not c.stop_reason]:
         asking, prompts = [], []
@@ -205,7 +225,7 @@ def _answer(
                 prompts.append(ids)
         if not asking:
             continue
-        replies = _generate(model, tokenizer, prompts, max_new_tokens)
+        replies = replier.reply(prompts, max_new_tokens)
         for chat, (reply, finished) in zip(asking, replies, strict=True):
             if not reply.strip():
                 chat.stop_reason = "empty reply"
@@ -217,16 +237,15 @@ def _answer(
                 chat.stop_reason = "reply hit max_new_tokens"
 
 
-def _answer_in_memory(
-    chats: list[_Chat], model: Any, tokenizer: Any, max_new_tokens: int, max_prompt_tokens: int
-) -> int:
+def _answer_in_memory(chats: list[_Chat], replier: Replier, tokenizer: Any, max_new_tokens: int,
+                      max_prompt_tokens: int) -> int:
     """:func:`_answer`, halving the batch and answering each half when the accelerator runs out of
     memory. ``regenerate_batch_size`` is sized for short prompts; sorted by length, the last batches hold
     the longest ones, whose KV cache grows with prompt and reply length. A round that ran out of memory
     left its chats as they were, and rounds already answered stay answered. Returns how many times a
     batch was split."""
     try:
-        _answer(chats, model, tokenizer, max_new_tokens, max_prompt_tokens)
+        _answer(chats, replier, tokenizer, max_new_tokens, max_prompt_tokens)
         return 0
     except torch.OutOfMemoryError:
         if len(chats) == 1:
@@ -235,7 +254,7 @@ def _answer_in_memory(
         torch.cuda.empty_cache()  # the failed round's blocks, before the halves ask again
     half = len(chats) // 2
     logger.warning("regeneration ran out of memory on a batch of %d prompts; answering it in halves", len(chats))
-    return 1 + sum(_answer_in_memory(part, model, tokenizer, max_new_tokens, max_prompt_tokens)
+    return 1 + sum(_answer_in_memory(part, replier, tokenizer, max_new_tokens, max_prompt_tokens)
                    for part in (chats[:half], chats[half:]))
 
 
@@ -260,7 +279,7 @@ def cache_writer(path: Path) -> Iterator[None]:
 
 def regenerate(
     conversations: Iterable[Mapping[str, Any]],
-    model: Any,
+    target: Any,
     tokenizer: Any,
     out_path: str | os.PathLike[str],
     *,
@@ -281,7 +300,10 @@ def regenerate(
     (resume); a user turn whose context exceeds ``max_prompt_tokens`` ends its conversation; a
     conversation with no reply (no user turn, empty reply, first prompt too long) is skipped and
     counted, and not recorded: a rerun asks again (a first prompt too long is counted, never asked).
-    ``target_name`` (default ``model.name_or_path``) is recorded in every row. Processes asking for the same
+    ``target``: who answers: an HF causal LM (in this process) or a `dflash.engines.Replier` (vLLM's engine, a
+    server; the caller closes it). ``tokenizer`` renders the prompts with its chat template and counts their
+    tokens, for every engine. ``target_name`` (default the model's ``name_or_path``; required with a `Replier`)
+    is recorded in every row. Processes asking for the same
     file take turns (:func:`cache_writer`): the later ones reuse the first's rows. The ranks of one run
     still regenerate on one and let the others wait, rather than queue for the lock.
 
@@ -295,11 +317,14 @@ def regenerate(
     """
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    target = target_name or getattr(model, "name_or_path", "") or type(model).__name__
+    replier = target if isinstance(target, Replier) else TransformersReplier(target, tokenizer)
+    if target_name is None and isinstance(target, Replier):
+        raise ValueError("regenerate() through an engine needs target_name: the rows record which target answered")
+    name = target_name or getattr(target, "name_or_path", "") or type(target).__name__
     result = RegenerateResult(path)
     with cache_writer(path):  # one writer: a second process waits, then reuses these rows
-        answered = _answered(path, target)
-        known = _earlier_replies(Path(earlier), target) if earlier and Path(earlier).exists() else {}
+        answered = _answered(path, name)
+        known = _earlier_replies(Path(earlier), name) if earlier and Path(earlier).exists() else {}
         seen: set[str] = set()
         queued: list[tuple[int, _Chat]] = []  # (prompt tokens, chat)
         for index, conv in enumerate(islice(conversations, limit)):
@@ -326,14 +351,13 @@ def regenerate(
         # Batch prompts of similar length: one long prompt left-pads its whole batch, so every prompt in a
         # batch costs as much as its longest.
         pending = [chat for _, chat in sorted(queued, key=lambda item: item[0])]
-        model.eval()
         if result.reused:
             logger.info("%s: %d prompts already answered (cached), %d to ask", path, result.reused, len(pending))
         bar = ProgressBar(len(pending), desc="regenerating", unit="prompt", enabled=progress) if pending else None
         with open(path, "a", encoding="utf-8") as f:
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
-                result.batches_split += _answer_in_memory(batch, model, tokenizer, max_new_tokens, max_prompt_tokens)
+                result.batches_split += _answer_in_memory(batch, replier, tokenizer, max_new_tokens, max_prompt_tokens)
                 for chat in batch:
                     if not any(m["role"] == "assistant" for m in chat.messages):
                         result.skip(chat.stop_reason)
@@ -341,7 +365,7 @@ def regenerate(
                     row = {
                         "messages": chat.messages,
                         "prompt_id": chat.prompt_id,
-                        "target": target,
+                        "target": name,
                         "source_id": chat.source_id,
                         "truncated": chat.truncated,
                     }
