@@ -5,6 +5,11 @@ through transformers is slow (the vocabulary metadata is parsed field by field, 
 :func:`embedded_target_dir` converts it once into a plain Hugging Face folder (model, tokenizer,
 chat template) that later loads like any saved model.
 
+The folder holds the model, tokenizer and chat template files and nothing else, so vLLM, SGLang and
+transformers load it as it is (vLLM reads every ``*.safetensors`` of a folder as weights). The GGUF
+model's reference logits, kept for tests, live beside it (:func:`gguf_reference_path`); a folder
+converted by an earlier version that still holds them inside is fixed on first use.
+
 Weights are saved in **float32**. The GGUF tensors are 4-bit blocks with fp16 scale and offset;
 transformers de-quantizes them to float32, and those values are not representable in bf16. Saving
 float32 keeps the converted model bit-identical to the GGUF-loaded one (the conversion checks that
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +40,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+log = logging.getLogger("dflash")
 
 EMBEDDED_MASK_TOKEN: int = 16
 EMBEDDED_MASK_TOKEN_TEXT: str = "<empty_output>"
@@ -46,8 +54,12 @@ _CHITCHAT_INSTALL = "pip install chitchat-dataset==0.9.0"
 # Written last into the converted folder; its presence marks a finished conversion.
 _MARKER = "dflash_conversion.json"
 # The GGUF model's logits on a short chat input, kept so that tests can check the folder against
-# them without the slow GGUF load.
-GGUF_REFERENCE = "dflash_gguf_reference.safetensors"
+# them without the slow GGUF load. A sibling of the model folder under the cache root, never inside it:
+# vLLM loads every *.safetensors of a model folder as weights ("no module or parameter named
+# 'input_ids'"), so a reference inside made the folder `dflash export` prints unservable.
+GGUF_REFERENCE = f"{EMBEDDED_TARGET_NAME}.gguf-reference.safetensors"
+# Where conversions before this layout left it: inside the model folder (moved out on first use).
+_LEGACY_REFERENCE = "dflash_gguf_reference.safetensors"
 _CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -86,19 +98,22 @@ def embedded_target_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path
     """Folder of the converted SmolLM2 target (model + tokenizer), converting the GGUF on first use.
 
     ``cache_dir`` is the cache root (default :func:`cache_root`); the folder is
-    ``<root>/smollm2-135m-instruct``. The conversion writes into a temporary sibling folder and
-    renames it, so an interrupted or concurrent conversion (several ranks) never leaves a partial
-    folder behind.
+    ``<root>/smollm2-135m-instruct``, with the GGUF reference logits beside it (:data:`GGUF_REFERENCE`).
+    The conversion writes into a temporary sibling folder and renames it, so an interrupted or
+    concurrent conversion (several ranks) never leaves a partial folder behind. A folder of an earlier
+    version with the reference inside has it moved out here, before anyone reads the folder.
     """
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     out = root / EMBEDDED_TARGET_NAME
     if (out / _MARKER).is_file():
+        _move_reference_out(out, root / GGUF_REFERENCE)
         return out
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET_NAME}-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any HF folder
         _convert_gguf(smollm2_gguf_path(), tmp)
+        _move_reference_out(tmp, root / GGUF_REFERENCE)  # the folder is published clean
         try:
             os.rename(tmp, out)
         except OSError:
@@ -108,6 +123,29 @@ def embedded_target_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_reference_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The GGUF model's reference logits of the converted target (``input_ids`` [1, T], ``logits``
+    [1, T, vocab]), converting first when needed; beside the model folder, not in it."""
+    root = embedded_target_dir(cache_dir).parent
+    return root / GGUF_REFERENCE
+
+
+def _move_reference_out(folder: Path, reference: Path) -> None:
+    """Move the reference logits a conversion left in ``folder`` (the layout before the reference moved
+    out, or a fresh conversion's temporary folder) to ``reference``, a path on the same filesystem.
+
+    ``os.replace`` is one atomic rename: concurrent ranks or processes each try it, one moves the
+    file and the others find it gone (nothing to do); a reader never sees a half-written file. A clean
+    folder costs one failed ``rename`` call per use."""
+    try:
+        os.replace(folder / _LEGACY_REFERENCE, reference)
+    except FileNotFoundError:
+        return  # already clean, or another process moved it first
+    except OSError as e:  # a read-only cache: transformers still loads it, vLLM refuses the stray file
+        log.warning("could not move %s out of %s (%s): vLLM will refuse that folder until it is moved or "
+                    "deleted", _LEGACY_REFERENCE, folder, e)
 
 
 def load_gguf_target(gguf_path: Path | None = None) -> tuple[Any, Any]:
@@ -121,8 +159,9 @@ def load_gguf_target(gguf_path: Path | None = None) -> tuple[Any, Any]:
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """Write the GGUF model and tokenizer to ``out`` as a plain float32 HF folder, verified by logits.
 
-    Also saves :data:`GGUF_REFERENCE`: ``input_ids`` [1, T] of a short chat input and the GGUF
-    model's ``logits`` [1, T, vocab] on it.
+    Also saves the reference: ``input_ids`` [1, T] of a short chat input and the GGUF model's
+    ``logits`` [1, T, vocab] on it, into ``out`` under its old name; :func:`embedded_target_dir` moves
+    it out before the folder is published (the one path that also migrates old caches).
     """
     model, tokenizer = load_gguf_target(gguf_path)
     if not tokenizer.chat_template:
@@ -142,7 +181,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         diff = (reference - reloaded(ids).logits).abs().max().item()
     if diff != 0.0:
         raise RuntimeError(f"converted model differs from the GGUF model: max |logit diff| = {diff}")
-    save_file({"input_ids": ids.contiguous(), "logits": reference.contiguous()}, str(out / GGUF_REFERENCE))
+    save_file({"input_ids": ids.contiguous(), "logits": reference.contiguous()}, str(out / _LEGACY_REFERENCE))
     marker = {"gguf": gguf_path.name, "gguf_bytes": gguf_path.stat().st_size, "dtype": "float32"}
     (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 

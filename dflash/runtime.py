@@ -125,7 +125,14 @@ def weights_fingerprint(name: str) -> str:
     1 GiB: its head with the safetensors header, its tail and a 64 KiB block every 16 MiB, so a change
     confined to a few small tensors of a huge file can escape it). A retrained model saved to the same
     folder, another hub revision, another project's `./model` get another fingerprint. "unknown" when the
-    files are not on this machine (a hub id not yet downloaded)."""
+    files are not on this machine (a hub id not yet downloaded).
+
+    The embedded target's folder once also held the GGUF reference logits (`embedded.GGUF_REFERENCE`), and
+    they were hashed here like weights; `target_location` moves them out before this reads the folder, so
+    that target's fingerprint changed once, and a corpus regenerated before is regenerated once more.
+    Accepted rather than kept by special-casing the old file: the logits are not weights, and their bytes
+    can depend on the converting CPU's float summation order, so the old key could differ between machines
+    holding the same weights; the new one hashes the weights alone."""
     location = target_location(name)
     folder = Path(location).expanduser()
     if not folder.is_dir():

@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
 import time
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from conftest import make_chat_target
 from dflash import embedded
 from dflash.embedded import (
     EMBEDDED_MASK_TOKEN,
     EMBEDDED_MASK_TOKEN_TEXT,
     chitchat_conversations,
     embedded_target_dir,
+    gguf_reference_path,
     load_embedded_target,
     smollm2_gguf_path,
 )
+from dflash.runtime import weights_fingerprint
 
 CHITCHAT_CONVERSATIONS = 7168
 CHITCHAT_WITH_REPLY = 4017
+# What a converted folder holds: the model, its config, the tokenizer with its chat template, and the marker.
+MODEL_FOLDER_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                      "tokenizer_config.json", "chat_template.jinja", embedded._MARKER}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +78,83 @@ def _fake_convert(gguf_path, out):
     (out / embedded._MARKER).write_text("{}")
 
 
+def _safetensors_files(folder):
+    return sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+
+
+def test_default_folder_is_a_clean_model_folder(target_dir):
+    """vLLM reads every *.safetensors of a model folder as weights: the folder `dflash export` names holds the
+    model, tokenizer and config files only, and its one weight file holds model tensors only (the GGUF
+    reference logits sit beside the folder). A cache converted by an earlier version is fixed by the fixture's
+    `embedded_target_dir()` call."""
+    assert {p.name for p in target_dir.iterdir()} == MODEL_FOLDER_FILES
+    assert _safetensors_files(target_dir) == ["model.safetensors"]
+    with safe_open(target_dir / "model.safetensors", "pt") as f:
+        assert all(name.startswith(("model.", "lm_head.")) for name in f.keys())
+    reference = gguf_reference_path()
+    assert reference.parent == target_dir.parent and reference.is_file()
+    with safe_open(reference, "pt") as f:
+        assert set(f.keys()) == {"input_ids", "logits"}
+
+
+def test_conversion_writes_the_reference_beside_the_folder(tmp_path, monkeypatch, tokenizer):
+    """A fresh conversion (the GGUF load stood in for by a tiny model over SmolLM2's tokenizer, everything after
+    it real) publishes a folder of model files only, the reference logits as a sibling under the cache root."""
+    def tiny_gguf_model(path=None):
+        model = make_chat_target(tokenizer)
+        model.config.quantization_config = {"quant_method": "gguf"}  # as the GGUF loader marks it
+        return model, tokenizer
+
+    monkeypatch.setattr(embedded, "load_gguf_target", tiny_gguf_model)
+    out = embedded_target_dir(tmp_path)
+    assert {p.name for p in out.iterdir()} == MODEL_FOLDER_FILES
+    assert _safetensors_files(out) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, embedded.GGUF_REFERENCE])
+    reference = load_file(gguf_reference_path(tmp_path))
+    assert reference["logits"].shape == (*reference["input_ids"].shape, len(tokenizer))
+
+
+def _old_layout(root):
+    """A folder as an earlier version converted it: the reference logits inside, beside the weights."""
+    folder = root / embedded.EMBEDDED_TARGET_NAME
+    folder.mkdir(parents=True)
+    save_file({"model.norm.weight": torch.ones(4)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    (folder / embedded._MARKER).write_text("{}")
+    save_file({"input_ids": torch.zeros(1, 3, dtype=torch.long), "logits": torch.ones(1, 3, 8)},
+              str(folder / embedded._LEGACY_REFERENCE))
+    return folder
+
+
+def test_an_old_layout_folder_is_migrated_on_first_use(tmp_path, monkeypatch):
+    folder = _old_layout(tmp_path / "cache")
+    reference_bytes = (folder / embedded._LEGACY_REFERENCE).read_bytes()
+    clean = tmp_path / "clean"  # the same folder without the reference: what the weights alone hash to
+    shutil.copytree(folder, clean, ignore=shutil.ignore_patterns(embedded._LEGACY_REFERENCE))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    # The regeneration cache key never hashes the reference: the folder is fixed before its files are read.
+    assert weights_fingerprint("embedded") == weights_fingerprint(str(clean))
+    assert embedded_target_dir() == folder  # no reconversion (the fake folder has no real model)
+    assert _safetensors_files(folder) == ["model.safetensors"]
+    assert gguf_reference_path().read_bytes() == reference_bytes
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([folder.name, embedded.GGUF_REFERENCE])
+    assert embedded_target_dir() == folder  # a second use finds it clean
+
+
+def test_concurrent_migrations_do_not_fail(tmp_path, monkeypatch):
+    """Several ranks may fix one old folder at once: the rename that comes second finds the file gone."""
+    folder = _old_layout(tmp_path)
+    real_replace = os.replace
+
+    def another_rank_first(src, dst):
+        real_replace(src, dst)  # another process's move, just before this one's
+        real_replace(src, dst)  # this one's: FileNotFoundError
+
+    monkeypatch.setattr(embedded.os, "replace", another_rank_first)
+    assert embedded_target_dir(tmp_path) == folder
+    assert _safetensors_files(folder) == ["model.safetensors"] and (tmp_path / embedded.GGUF_REFERENCE).is_file()
+
+
 def test_conversion_is_atomic(tmp_path, monkeypatch):
     def broken(gguf_path, out):
         (out / "config.json").write_text("{}")
@@ -83,7 +168,7 @@ def test_conversion_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(embedded, "_convert_gguf", _fake_convert)
     out = embedded_target_dir(tmp_path)
     assert out == tmp_path / embedded.EMBEDDED_TARGET_NAME and (out / embedded._MARKER).is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # (this stand-in writes no reference)
 
 
 def test_conversion_race_keeps_the_first_folder(tmp_path, monkeypatch):
@@ -104,7 +189,7 @@ def test_conversion_race_keeps_the_first_folder(tmp_path, monkeypatch):
 def test_converted_logits_equal_gguf_logits(target_dir):
     """The conversion compared both models in-process (exactly) and kept the GGUF model's logits;
     the folder, loaded afresh, reproduces them (without loading the slow GGUF again)."""
-    reference = load_file(target_dir / embedded.GGUF_REFERENCE)
+    reference = load_file(gguf_reference_path())
     converted, _ = load_embedded_target()
     with torch.no_grad():
         logits = converted(reference["input_ids"]).logits

@@ -6,22 +6,27 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from conftest import TINY_MASK_ID, make_tiny_target
+from conftest import DOMINO_HEAD, TINY_MASK_ID, make_chat_target, make_tiny_target, tiny_config
+from dflash.embedded import EMBEDDED_MASK_TOKEN, EMBEDDED_MASK_TOKEN_TEXT
 from dflash.evaluation.export import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_compatible,
     draft_config_from_json,
     expected_weight_names,
+    export_checkpoint,
     export_draft,
     load_exported,
     trained_target,
 )
+from dflash.factory import build_draft
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
+from dflash.run.checkpoint import save_checkpoint
 
 LAYERS = 2
 
@@ -239,3 +244,61 @@ def test_a_qwen3_style_dflash_module_loads_the_weights_strictly(target, tmp_path
     # the same tensors reach the same modules
     torch.testing.assert_close(reader.layers[1].self_attn.k_norm.weight,
                                draft.layers[1].self_attn.k_norm.weight.to(torch.bfloat16).float())
+
+
+# ---- what the engines' and peers' loaders need beyond the draft's shape ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino", "dspark"])
+def test_the_mask_token_text_of_the_trained_id_is_written(tokenizer, tmp_path, kind):
+    """SGLang's DFlash worker resolves the mask by `dflash_config.mask_token` (default <|MASK|>; an older one by that
+    text alone), so the export writes the target tokenizer's text of the trained id: the embedded target's
+    <empty_output> (id 16), which SGLang's lookup (the tokenizer's vocabulary) maps back to the trained row."""
+    heads = {"dflash": {}, "domino": DOMINO_HEAD, "dspark": {"draft__kind": "dspark", "dspark__markov_rank": 4}}[kind]
+    config = tiny_config(**heads, draft__mask_token_id=EMBEDDED_MASK_TOKEN_TEXT)  # set by its text, as a user may
+    export_draft(build_draft(config, make_chat_target(tokenizer), tokenizer), tmp_path / "a")
+    written = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())["dflash_config"]
+    assert (written["mask_token"], written["mask_token_id"]) == (EMBEDDED_MASK_TOKEN_TEXT, EMBEDDED_MASK_TOKEN) == (
+        "<empty_output>", 16)
+    assert tokenizer.get_vocab()[written["mask_token"]] == written["mask_token_id"]
+    export_draft(load_exported(tmp_path / "a"), tmp_path / "b")  # read back and written again: kept
+    assert (tmp_path / "a" / CONFIG_NAME).read_bytes() == (tmp_path / "b" / CONFIG_NAME).read_bytes()
+
+
+def test_exports_without_the_mask_token_text_still_load(tokenizer, tmp_path):
+    """Exports written before `dflash_config.mask_token` (or of a draft built without a tokenizer) load and export
+    again without it; a mask row past the tokenizer's vocabulary (Qwen3 pads its embedding table) has no text."""
+    target = make_chat_target(tokenizer)
+    export_draft(build_draft(tiny_config(draft__mask_token_id=EMBEDDED_MASK_TOKEN), target, tokenizer), tmp_path / "a")
+    config = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    del config["dflash_config"]["mask_token"]
+    (tmp_path / "a" / CONFIG_NAME).write_text(json.dumps(config))  # as an earlier version wrote it
+    export_draft(load_exported(tmp_path / "a"), tmp_path / "b")
+    assert "mask_token" not in json.loads((tmp_path / "b" / CONFIG_NAME).read_text())["dflash_config"]
+    target.resize_token_embeddings(len(tokenizer) + 8)
+    draft = build_draft(tiny_config(draft__mask_token_id=len(tokenizer) + 3), target, tokenizer)
+    export_draft(draft, tmp_path / "c")
+    written = json.loads((tmp_path / "c" / CONFIG_NAME).read_text())["dflash_config"]
+    assert written["mask_token_id"] == len(tokenizer) + 3 and "mask_token" not in written
+
+
+def test_a_dspark_export_carries_deepspecs_num_anchors(target, tmp_path):
+    """DeepSpec's Qwen3DSparkModel asserts a top-level `num_anchors` (the anchors per sequence it was trained with):
+    the export writes `draft.num_anchors`, reads it back, and `dflash export` of a DSpark checkpoint saved before the
+    draft config recorded it takes it from the run's config.yaml."""
+    config = tiny_config(draft__kind="dspark", dspark__markov_rank=4, draft__num_anchors=24)
+    draft = build_draft(config, target, None)
+    export_draft(draft, tmp_path / "a")
+    written = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    assert written["num_anchors"] == 24 and "num_anchors" not in written["dflash_config"]  # DeepSpec's place only
+    assert load_exported(tmp_path / "a").config == draft.config
+    old = draft.config.to_dict()
+    del old["extra"]["num_anchors"]  # a checkpoint written before the factory put it into the draft config
+    run = tmp_path / "run"
+    save_checkpoint(run, 4, draft.state_dict(), old, {"step": 4})
+    (run / "config.yaml").write_text(yaml.safe_dump({"target": "org/t", "draft": {"num_anchors": 24}, "data": {}}))
+    _, out = export_checkpoint(run, tmp_path / "from-checkpoint")
+    assert json.loads((out / CONFIG_NAME).read_text())["num_anchors"] == 24
+    plain = build_draft(tiny_config(), target, None)  # other kinds train anchors too, but no reader asks for them
+    export_draft(plain, tmp_path / "dflash")
+    assert "num_anchors" not in json.loads((tmp_path / "dflash" / CONFIG_NAME).read_text())

@@ -12,12 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import DFLASH2_HEAD, TINY_MASK_ID, make_tiny_target, tiny_config
+from conftest import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_chat_target, make_tiny_target, tiny_config
 from dflash.cli.main import main
+from dflash.embedded import EMBEDDED_MASK_TOKEN, EMBEDDED_MASK_TOKEN_TEXT
 from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, WEIGHTS_NAME, export_draft
 from dflash.evaluation.serving import (
+    DFLASH,
     DFLASH2,
     DOMINO,
+    DOMINO_POOL_FLAG,
     DSPARK,
     ENGINES,
     FAMILY_ENGINES,
@@ -94,7 +97,7 @@ def test_export_carries_every_field_the_engines_read(exports, kind):
     config = json.loads((folder / CONFIG_NAME).read_text())
     assert check_serving_fields(folder) == []
     for field in SERVING_FIELDS:
-        if kind not in field.kinds:
+        if kind not in field.kinds or (field.optional and not _has(config, field.path)):
             continue
         value = _get(config, field.path)  # KeyError: the export lacks a field a loader reads
         assert isinstance(value, field.kind) and not (field.kind is int and isinstance(value, bool)), field.path
@@ -120,7 +123,7 @@ def test_dflash2_and_dspark_exports_carry_what_their_loaders_read(exports, kind)
     config = json.loads((folder / CONFIG_NAME).read_text())
     assert draft_kind(config) == kind and check_serving_fields(folder) == []
     fields = [f for f in SERVING_FIELDS if kind in f.kinds]
-    for field in fields:
+    for field in (f for f in fields if not (f.optional and not _has(config, f.path))):
         value = _get(config, field.path)
         assert isinstance(value, field.kind) and not (field.kind is int and isinstance(value, bool)), field.path
         assert field.ok is None or field.ok(value, config), f"{field.path} = {value!r}: {field.expect}"
@@ -136,6 +139,8 @@ def test_dflash2_and_dspark_exports_carry_what_their_loaders_read(exports, kind)
         assert (config["mask_token_id"], config["target_layer_ids"]) == (
             config["dflash_config"]["mask_token_id"], config["dflash_config"]["target_layer_ids"])
         assert config["sample_from_anchor"] is True and "dspark_bonus_anchor" not in config
+        # DeepSpec's Qwen3DSparkModel asserts a top-level num_anchors: the anchors the draft was trained with
+        assert config["num_anchors"] == tiny_config().draft.num_anchors == 8 and "num_anchors" not in config["dflash_config"]
     else:
         assert config["is_causal"] is False
 
@@ -203,6 +208,11 @@ PLANTED = {  # case: (kind, plant, the start of the one problem reported)
                                           "dflash_config.mask_token_id = 128: expected a row"),
     "mask token as text": ("dflash", _set("dflash_config.mask_token_id", "127"),
                            "dflash_config.mask_token_id: '127' is not of JSON type int"),
+    # SGLang's mask token text: optional (exports before it lack it), a non-empty string when present
+    "mask token text as an id": ("dflash", _set("dflash_config.mask_token", 127),
+                                 "dflash_config.mask_token: 127 is not of JSON type str"),
+    "mask token text empty": ("domino", _set("dflash_config.mask_token", ""),
+                              "dflash_config.mask_token = '': expected a non-empty string (SGLang: "),
     "vLLM aux ids without the + 1": ("dflash", _set("eagle_aux_hidden_state_layer_ids", [0, 2]),
                                      "eagle_aux_hidden_state_layer_ids = [0, 2]: expected dflash_config"),
     "vLLM aux ids missing": ("dflash", _delete("eagle_aux_hidden_state_layer_ids"),
@@ -249,6 +259,9 @@ PLANTED = {  # case: (kind, plant, the start of the one problem reported)
                                        "architectures = ['DFlashDraftModel']: expected to name DFlash2DraftModel"),
     # DSpark: its top-level head keys, DeepSpec's top-level copies and the layout keys vLLM / SGLang switch on
     "DSpark Markov rank missing": (DSPARK, _delete("markov_rank"), "markov_rank: missing"),
+    "DSpark without DeepSpec's num_anchors": (DSPARK, _delete("num_anchors"),
+                                              "num_anchors: missing (DeepSpec read it: anchors per sequence"),
+    "DSpark num_anchors as text": (DSPARK, _set("num_anchors", "8"), "num_anchors: '8' is not of JSON type int"),
     "DSpark Markov rank zero": (DSPARK, _set("markov_rank", 0), "markov_rank = 0: expected positive"),
     "DSpark gated head": (DSPARK, _set("markov_head_type", "gated"), "markov_head_type = 'gated': expected vanilla"),
     "DSpark top-level mask differing": (DSPARK, _set("mask_token_id", 5),
@@ -335,7 +348,12 @@ def test_commands_name_the_folder_and_the_block(target, tmp_path, block_size):
 
 def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
     commands = serving_commands(exports["domino"])
-    assert set(commands) == {SGLANG} and commands[SGLANG].endswith("--dtype bfloat16")
+    assert set(commands) == {SGLANG}
+    flags = dict(zip(*[iter(shlex.split(commands[SGLANG])[3:])] * 2, strict=True))
+    # bf16 (SGLang's Domino runtime requires it), and the full vocabulary: SGLang's default top-2048 candidate pool
+    # lowered tau 4.331 -> 4.032 on the same 10 prompts, and the note says so
+    assert flags["--dtype"] == "bfloat16" and flags["--speculative-domino-candidate-pool-size"] == "0"
+    assert DOMINO_POOL_FLAG == "--speculative-domino-candidate-pool-size 0"
     lines = format_serving(exports["domino"]).splitlines()
     # vLLM main has no Domino head (its doc claiming one is from the unmerged PR #47627): under a header naming
     # the vLLM sources checked, a line saying why, with the loader's commit; SGLang's command under its own header.
@@ -349,6 +367,7 @@ def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
     notes = [line for line in lines if line.startswith("note: ")]
     assert any("an older one drops the Domino head silently" in n for n in notes)
     assert any("unmerged PRs (#47627 closed, #48241 open)" in n for n in notes)
+    assert any(n.startswith(f"note: {DOMINO_POOL_FLAG}: ") and "4.331 to 4.032" in n and "top-2048" in n for n in notes)
     assert not any(line.startswith("warning") for line in lines)
     # and the table claims no vLLM reader for a Domino key
     assert not any(VLLM in f.read_by for f in SERVING_FIELDS if f.kinds == (DOMINO,))
@@ -389,6 +408,24 @@ def test_dflash2_and_dspark_commands_carry_their_method_and_count(exports, targe
         assert "SGLang verifies block_size + 1" in "\n".join(lines)
     else:
         assert any("V2 model runner" in line for line in lines if line.startswith("note: "))
+
+
+@pytest.mark.parametrize("kind", [DFLASH, DOMINO, DFLASH2, DSPARK])
+def test_every_kind_names_sglang_the_text_of_its_mask_token(tokenizer, tmp_path, kind):
+    """SGLang's DFlash worker resolves the mask by `dflash_config.mask_token` (default <|MASK|>: row 151,669 of a
+    Qwen3 target, not the trained one, for an older worker that reads the text alone): each kind's export writes the
+    target tokenizer's text of the trained id, which the tokenizer's vocabulary (SGLang's lookup) maps back to it, and
+    the serving check reads it where SGLang does."""
+    heads = {DFLASH: {}, DOMINO: DOMINO_HEAD, **FAMILY}[kind]
+    draft = build_draft(tiny_config(**heads, draft__mask_token_id=EMBEDDED_MASK_TOKEN),
+                        make_chat_target(tokenizer, num_layers=4), tokenizer)  # 4 layers: distinct default layer ids
+    folder = export_draft(draft, tmp_path / kind, target="embedded")
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    assert draft_kind(config) == kind and config["dflash_config"]["mask_token"] == EMBEDDED_MASK_TOKEN_TEXT
+    assert tokenizer.get_vocab()[config["dflash_config"]["mask_token"]] == config["dflash_config"]["mask_token_id"]
+    assert check_serving_fields(folder) == []
+    field = next(f for f in SERVING_FIELDS if f.path == "dflash_config.mask_token")
+    assert kind in field.kinds and field.read_by == (SGLANG,) and field.optional  # exports before it still pass
 
 
 def test_a_dspark_draft_without_confidence_head_is_served_with_a_note(target, tmp_path):

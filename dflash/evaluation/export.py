@@ -83,6 +83,7 @@ from dflash.kinds.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash.kinds.dspark import (
     HEAD_KEYS,
     TARGET_COPY_NAMES,
+    TOP_LEVEL_KEYS,
     DSparkHeadConfig,
     dspark_config_fields,
     dspark_extra_from_json,
@@ -170,8 +171,9 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
-            # DSpark's head keys sit at the top level (DeepSpec, SGLang, vLLM); what else a read-back export kept stays
-            **{k: v for k, v in cfg.extra.items() if not (dspark and k in HEAD_KEYS)},
+            # DSpark's head keys sit at the top level (DeepSpec, SGLang, vLLM); what else a read-back export kept stays,
+            # and `mask_token` (the factory's: the tokenizer's text of mask_token_id) is SGLang's dflash_config.mask_token
+            **{k: v for k, v in cfg.extra.items() if not (dspark and k in TOP_LEVEL_KEYS)},
             **({"block_size": cfg.block_size} if dflash2 or dspark else {}),
             **({"target": target} if target else {}),
             **({"held_out_split": held_out} if held_out else {}),
@@ -273,6 +275,9 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> tuple[Path, Path
     run = (yaml.safe_load(run_config.read_text()) or {}) if run_config.is_file() else {}
     data = run.get("data") or {}  # the whole resolved config (write_run_config): every key is there
     held_out = {k: data[k] for k in HELD_OUT_SPLIT_KEYS} if data.get("eval_size") else None
+    extra, trained = draft_config.setdefault("extra", {}), run.get("draft") or {}
+    if any(k in extra for k in HEAD_KEYS) and "num_anchors" not in extra and "num_anchors" in trained:
+        extra["num_anchors"] = trained["num_anchors"]  # a DSpark checkpoint from before the factory recorded it
     return folder, export_draft(draft_from_checkpoint(draft_state, draft_config), out_dir, target=run.get("target"),
                                 held_out=held_out)
 

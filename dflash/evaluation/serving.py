@@ -15,7 +15,8 @@ Domino (`dflash_config.projector_type: domino`): no vLLM command. vLLM main has 
 vLLM's `docs/features/speculative_decoding/dflash.md` @331c781e, which says vLLM loads Domino drafts, comes from PR
 #47627, closed unmerged (`VLLM_DOMINO`). SGLang builds with `speculative/domino_utils.py` read the head (strict
 `prefix_gru.*` / `embed_proj.*` loading, bf16, `pure_draft_prefix_len` 1); older ones skip unknown tensor names and
-would serve the backbone alone. Head tensors under a config without `projector_type: domino` are reported.
+would serve the backbone alone. Head tensors under a config without `projector_type: domino` are reported. SGLang's
+command sets `DOMINO_POOL_FLAG`: its default candidate pool scores 2048 base-logit candidates, not the vocabulary.
 
 DFlash 2 (`DFlash2DraftModel`) rides both engines' DFlash path (vLLM `"method": "dflash"`, SGLang `DFLASH`), with the
 DFlash counts: the convs run over one block, vLLM's of 1 + num_speculative_tokens query tokens, SGLang's of
@@ -41,7 +42,7 @@ from dflash.kinds.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash.kinds.domino import DOMINO_WEIGHT_NAMES, PROJECTOR_TYPE
 from dflash.kinds.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 
-VLLM, SGLANG = "vllm", "sglang"
+VLLM, SGLANG, DEEPSPEC = "vllm", "sglang", "deepspec"  # DeepSpec: DSpark's reference code, a reader, not an engine
 DFLASH, DOMINO, DFLASH2, DSPARK = "dflash", "domino", "dflash2", "dspark"  # draft kinds (`draft_kind`)
 KINDS = (DFLASH, DOMINO, DFLASH2, DSPARK)
 # Engine -> (name, the source the commands and SERVING_FIELDS were read from). Files: vLLM
@@ -78,14 +79,18 @@ VLLM_DOMINO = ("vLLM main has no Domino head: qwen3_dflash.py @036a00d1 loads pr
                "and AutoWeightsLoader refuses them; dflash.md @331c781e (Domino under method dflash) is from PR #47627, "
                "closed unmerged")
 BOTH = (VLLM, SGLANG)
+READERS = {VLLM: "vLLM", SGLANG: "SGLang", DEEPSPEC: "DeepSpec"}  # who reads a field (`ServingField.read_by`)
+# SGLang's Domino default scores a block-shared top-2048 pool of base logits, not the vocabulary the draft was trained
+# over: on the same 10 prompts it lowered tau 4.331 -> 4.032 (issue 50), so the command asks for the full vocabulary.
+DOMINO_POOL_FLAG = "--speculative-domino-candidate-pool-size 0"
 TARGET_PLACEHOLDER = '"$TARGET"'  # a shell variable: the command stays pasteable, the note says what to set
 
 
 @dataclass(frozen=True)
 class ServingField:
     """One config.json field an engine's loader reads: `path` (dotted), its JSON type, the meaning the
-    engines give it, the value rule (`ok`, described by `expect`), which engines read it and for which
-    draft kinds (`KINDS`)."""
+    engines give it, the value rule (`ok`, described by `expect`), which engines read it (`READERS`), for which
+    draft kinds (`KINDS`), and whether an export may leave it out (`optional`: checked only when present)."""
 
     path: str
     kind: type | tuple[type, ...]
@@ -94,6 +99,7 @@ class ServingField:
     ok: Callable[[Any, dict[str, Any]], bool] | None = lambda v, c: v > 0
     read_by: tuple[str, ...] = BOTH
     kinds: tuple[str, ...] = KINDS
+    optional: bool = False
 
 
 def _tli(c: dict[str, Any]) -> list[int]:
@@ -146,6 +152,11 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
     ServingField("dflash_config.mask_token_id", int, "token whose target embedding fills the masked block slots "
                  "(vLLM parallel_drafting_token_id; SGLang refuses ids >= the target vocab)",
                  "a row of the vocabulary (0 <= id < vocab_size)", lambda v, c: 0 <= v < c["vocab_size"]),
+    ServingField("dflash_config.mask_token", str, "the mask token's text: SGLang's DFlash worker refuses one the "
+                 "target tokenizer maps to another id than mask_token_id (dflash_worker.py @0468412f), an older one "
+                 "takes the mask row from it alone (default <|MASK|>: row 151,669 of a Qwen3 target, not the trained "
+                 "one); exports before it was written lack it", "a non-empty string", lambda v, c: bool(v),
+                 read_by=(SGLANG,), optional=True),
     ServingField("dflash_config.target_layer_ids", list, "target layers whose output (HF hidden_states[i + 1]) "
                  "feeds fc, concatenated in this order; SGLang reads it (and captures before layer i + 1), vLLM "
                  "falls back to it (+ 1) without eagle_aux_hidden_state_layer_ids",
@@ -190,6 +201,9 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
                  kinds=(DSPARK,)),
     ServingField("target_layer_ids", list, "DeepSpec's key: vLLM's last fallback (+ 1) for the captured layers",
                  "dflash_config.target_layer_ids", lambda v, c: v == _tli(c), read_by=(VLLM,), kinds=(DSPARK,)),
+    ServingField("num_anchors", int, "anchors per sequence the draft was trained with (draft.num_anchors): DeepSpec's "
+                 "Qwen3DSparkModel asserts it (deepspec/modeling/dspark/qwen3/modeling.py @5905deb7); no engine reads "
+                 "it", read_by=(DEEPSPEC,), kinds=(DSPARK,)),
 )
 # Keys the export leaves out because the engines' defaults are its meaning; set otherwise, they silently
 # change what is computed (non-causal attention, no SWA, fc on, rotate-half RoPE, one block size; DSpark: the
@@ -253,7 +267,9 @@ def check_serving_fields(export_dir: str | Path) -> list[str]:
     kind = draft_kind(config)
     problems, fields = [], [f for f in SERVING_FIELDS if kind in f.kinds]
     for field in fields:
-        value, readers = _get(config, field.path), "/".join(ENGINES[e][0] for e in field.read_by)
+        value, readers = _get(config, field.path), "/".join(READERS[e] for e in field.read_by)
+        if value is _MISSING and field.optional:
+            continue
         if value is _MISSING:
             problems.append(f"{field.path}: missing ({readers} read it: {field.meaning})")
         elif not isinstance(value, field.kind) or (field.kind is int and isinstance(value, bool)):
@@ -370,6 +386,7 @@ def serving_commands(export_dir: str | Path) -> dict[str, str]:
     if kind == DOMINO:
         del commands[VLLM]
         commands[SGLANG] += " --dtype bfloat16"  # SGLang's Domino runtime requires bf16 (validate_domino_runtime)
+        commands[SGLANG] += f" {DOMINO_POOL_FLAG}"  # the vocabulary the draft was trained over (DOMINO_POOL_FLAG)
     return commands
 
 
@@ -378,6 +395,9 @@ def _notes(config: dict[str, Any], kind: str) -> list[str | None]:
     if kind == DOMINO:
         notes.append("SGLang needs a build with Domino support (python/sglang/srt/speculative/domino_utils.py); "
                      "an older one drops the Domino head silently and serves the backbone alone")
+        notes.append(f"{DOMINO_POOL_FLAG}: SGLang's default scores a top-2048 candidate pool of base logits instead of "
+                     "the whole vocabulary the draft was trained over; on the same 10 prompts it lowered tau from 4.331 "
+                     "to 4.032")
         notes.append("vLLM has Domino only in unmerged PRs (#47627 closed, #48241 open), not checked here: #47627 "
                      "drafts token 0 at step pure_draft_prefix_len and #48241 leaves that step uncorrected, while "
                      "dflash trains every proposal from pure_draft_prefix_len on corrected")

@@ -68,6 +68,11 @@ class DSparkHeadConfig(HeadKeys):
 
 
 HEAD_KEYS = tuple(f.name for f in dataclasses.fields(DSparkHeadConfig))
+# Anchors per sequence the draft was trained with (`draft.num_anchors`, put into the draft config by the factory):
+# DeepSpec's `Qwen3DSparkModel.__init__` asserts `config.num_anchors` (deepspec/modeling/dspark/qwen3/modeling.py
+# @5905deb7, its training forward samples that many), so its loader refuses an export without it. Top level too.
+TRAINING_KEYS = ("num_anchors",)
+TOP_LEVEL_KEYS = HEAD_KEYS + TRAINING_KEYS  # the DSpark keys of a config.json's top level, never in dflash_config
 
 
 def is_dspark(cfg: DFlashDraftConfig) -> bool:
@@ -85,20 +90,21 @@ def dspark_config_fields(cfg: DFlashDraftConfig) -> dict[str, Any]:
     """The top-level keys of a DSpark config.json beyond the DFlash ones (DeepSpec's `build_draft_config`): the
     head keys, the layout flag (speculators read `sample_from_anchor`; vLLM's qwen3_dspark.py @47bd6d7c reads
     `dspark_bonus_anchor` instead, absent here: the same layout), and the mask token / layer ids at the top
-    level as DeepSpec writes them."""
+    level as DeepSpec writes them, with `num_anchors` when the config carries it (`TRAINING_KEYS`)."""
     return {**DSparkHeadConfig.from_draft_config(cfg).to_extra(), "sample_from_anchor": True,
-            "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+            "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+            **{k: cfg.extra[k] for k in TRAINING_KEYS if k in cfg.extra}}
 
 
 def dspark_extra_from_json(data: dict[str, Any]) -> dict[str, Any]:
-    """The DSpark head keys of a config.json dict (top level), or {} when it is not a DSpark config. Refuses the
+    """The DSpark keys of a config.json dict (top level: `TOP_LEVEL_KEYS`), or {} when it is not a DSpark config. Refuses the
     other layout (speculators' `sample_from_anchor: false`: slot j predicts a + j), which this model cannot run."""
     if ARCHITECTURE not in (data.get("architectures") or []) and "markov_rank" not in data:
         return {}
     if data.get("sample_from_anchor", True) is not True or data.get("speculators_model_type") == "dspark":
         raise ValueError("this DSpark config uses the slot-j-predicts-a+j layout (sample_from_anchor false / speculators); "
                          "dflash's DSpark drafts predict a + k + 1 from slot k (DeepSpec's layout) only")
-    return {name: data[name] for name in HEAD_KEYS if name in data}
+    return {name: data[name] for name in TOP_LEVEL_KEYS if name in data}
 
 
 class MarkovHead(nn.Module):

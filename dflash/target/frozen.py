@@ -298,3 +298,15 @@ def resolve_mask_token_id(tokenizer: Any, vocab_size: int, requested: int | str 
             f"choose an id in [0, {vocab_size - 1}]"
         )
     return int(requested)
+
+
+def mask_token_text(tokenizer: Any, token_id: int) -> str | None:
+    """The tokenizer's text of the mask token `token_id` (its vocabulary key, e.g. ``<empty_output>``), None without
+    a tokenizer or when the id is an embedding row past the tokenizer's vocabulary (Qwen3 pads its table).
+
+    Exported as `dflash_config.mask_token`: SGLang's DFlash worker (@0468412f) refuses a text the target tokenizer
+    maps to another id than `mask_token_id`, and an older one takes the mask row from the text alone (default
+    ``<|MASK|>``, added to the tokenizer when absent: row 151,669 of a Qwen3 target, not the trained one)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)  # None: no tokenizer (a test's, a stand-in's)
+    text = convert(int(token_id)) if convert is not None else None
+    return text if isinstance(text, str) and text else None
