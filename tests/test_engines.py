@@ -183,6 +183,24 @@ def test_the_dry_run_counts_a_servers_cache(server, regenerated, engine_target_d
     assert f"answered by the server at {server} (model 'tiny'" in out
 
 
+def test_a_training_run_regenerates_through_the_server(server, engine_target_dir, conversations_file, tmp_path, capsys):
+    """`dflash train` takes the engine like `dflash generate`: both parts (training and held-out prompts) answered
+    by the server into the run's cache, then two steps, and the held-out prompts decoded in the run's end."""
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    assert main(["train", f"target={engine_target_dir}", f"data.source={conversations_file}", f"data.cache_dir={cache}",
+                 "data.eval_size=2", f"data.regenerate_max_new_tokens={REPLY_TOKENS}",
+                 f"data.regenerate_max_prompt_tokens={PROMPT_TOKENS}", "data.regenerate_engine=openai",
+                 f"data.regenerate_url={server}", "data.regenerate_fingerprint=tiny-seed-0", "device=cpu",
+                 "draft.mask_token_id=16", "draft.num_layers=1", "draft.block_size=4", "draft.num_anchors=4",
+                 "batch_size=2", "max_steps=2", "data.max_length=64", "spec_eval_prompts=2", "spec_eval_max_new_tokens=8",
+                 "progress_bar=false", "report_to=[]", f"output_dir={run}"]) == 0
+    parts = sorted(p.name.rsplit("-", 1)[1] for p in (cache / "regenerated").glob("*.jsonl"))
+    assert parts == ["eval.jsonl", "train.jsonl"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["speculative"]["num_prompts"] == 2
+    assert "NOT verified" not in capsys.readouterr().err  # a fingerprint was given
+
+
 def test_a_server_that_does_not_answer_is_one_clear_line(engine_target_dir, conversations_file, tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     assert generate(engine_target_dir, tmp_path, conversations_file, "data.regenerate_engine=openai",
@@ -205,3 +223,16 @@ def test_openai_engine_without_url_is_refused_at_start():
         from dflash.config import TrainConfig
 
         TrainConfig.from_sources(None, ["data.regenerate_engine=openai"])
+
+
+def test_bench_regenerate_compares_the_engines_rows(engine_target_dir, conversations_file):
+    """`scripts/bench_regenerate.py` (the throughput figures of docs/benchmarks.md): one line per engine, the rows
+    of both engines compared."""
+    out = subprocess.run([sys.executable, "scripts/bench_regenerate.py", "--engines", "transformers,vllm",
+                          f"target={engine_target_dir}", f"data.source={conversations_file}", "data.eval_size=2",
+                          f"data.regenerate_max_new_tokens={REPLY_TOKENS}", "device=cpu"],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("engine=")]
+    assert [line.split()[0] for line in lines] == ["engine=transformers", "engine=vllm"]
+    assert all("prompts=38 written=38" in line and line.endswith("same_rows=38/38") for line in lines), lines

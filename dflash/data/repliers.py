@@ -26,7 +26,8 @@ from dflash.data.regenerate import TransformersReplier, generation_stop_ids
 from dflash.engines import Replier
 from dflash.engines.openai_server import ServerReplier, served_fingerprint, served_identity
 from dflash.engines.vllm_engine import VLLMReplier
-from dflash.runtime import target_location, weights_fingerprint
+from dflash.modeling import text_config_of
+from dflash.runtime import load_target_config, target_location, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,14 @@ def make_replier(settings: DataSettings, target: str, tokenizer: Any, identity: 
     stop = generation_stop_ids(generation_config, tokenizer)
     if engine == "vllm":
         param = next(model.parameters(), None) if model is not None else None
+        # vLLM refuses a max_model_len past the model's positions; a prompt near that limit gets a reply cut short
+        # there (as its positions end), where generate() would run past them.
+        positions = getattr(text_config_of(load_target_config(target)), "max_position_embeddings", None)
+        longest = settings.regenerate_max_prompt_tokens + settings.regenerate_max_new_tokens
         return VLLMReplier(location, tokenizer, stop,
                            dtype=dtype or (param.dtype if param is not None else torch.float32),
                            device=device or (param.device if param is not None else torch.device("cpu")),
-                           max_model_len=settings.regenerate_max_prompt_tokens + settings.regenerate_max_new_tokens,
+                           max_model_len=min(longest, positions or longest),
                            tensor_parallel_size=settings.regenerate_tensor_parallel)
     if identity.served is None:
         raise ValueError("data.regenerate_engine=openai: the target's identity must come from the server (target_identity)")
