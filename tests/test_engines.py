@@ -236,3 +236,30 @@ def test_bench_regenerate_compares_the_engines_rows(engine_target_dir, conversat
     lines = [line for line in out.stdout.splitlines() if line.startswith("engine=")]
     assert [line.split()[0] for line in lines] == ["engine=transformers", "engine=vllm"]
     assert all("prompts=38 written=38" in line and line.endswith("same_rows=38/38") for line in lines), lines
+
+
+def test_vllm_serves_the_embedded_targets_folder_that_dflash_export_names(tokenizer):
+    """The embedded target's folder, found as the note `dflash export` prints says (`TARGET=$(python -c ...)`),
+    loads in vLLM as it is (a stray *.safetensors once made vLLM refuse it) and answers as transformers does."""
+    import re
+
+    from dflash.embedded import load_embedded_target
+    from dflash.engines.vllm_engine import VLLMReplier
+    from dflash.evaluation.serving import _target
+
+    _, note = _target({"dflash_config": {"target": "embedded"}})
+    code = re.search(r"python -c '([^']+)'", note).group(1)
+    folder = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    replier = VLLMReplier(folder, tokenizer, [tokenizer.eos_token_id], dtype=torch.float32, device=torch.device("cpu"),
+                          max_model_len=256)
+    try:
+        (text, finished), = replier.reply([ids], 24)
+    finally:
+        replier.close()
+    model, _ = load_embedded_target()
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert finished and expected[-1] == tokenizer.eos_token_id
+    assert text == tokenizer.decode(expected[:-1]) and "Paris" in text

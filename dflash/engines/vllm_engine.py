@@ -53,8 +53,10 @@ def build_llm(location: str, *, dtype: torch.dtype, device: torch.device, max_mo
               seed: int = 0, log_stats: bool = False) -> Any:
     """A `vllm.LLM` serving the model folder (or hub id) `location` in `dtype`.
 
-    `max_model_len`: the longest prompt + reply it must hold. `speculative_config`: vLLM's (a draft to serve
-    beside the target). `log_stats`: keep the engine's metrics (`LLM.get_metrics`: the speculative counters).
+    `max_model_len`: the longest prompt + reply it must hold; a speculative engine needs room for two more
+    verification steps (2 x (num_speculative_tokens + 1)) or its batched drafts vary from run to run.
+    `speculative_config`: vLLM's (a draft to serve beside the target). `log_stats`: keep the engine's metrics
+    (`LLM.get_metrics`: the speculative counters).
     A CPU engine runs eager (compiling costs minutes there and a regeneration is one pass); a GPU engine
     compiles and captures CUDA graphs as vLLM does by default."""
     vllm = require_vllm(why)

@@ -137,15 +137,16 @@ def check_writable(path: Path) -> None:
 
 def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "auto", num_prompts: int = 20,
              max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
-             held_out_size: int = 64, tensor_parallel: int | None = None) -> dict[str, Any]:
+             held_out_size: int = 64, tensor_parallel: int | None = None, write: bool = True) -> dict[str, Any]:
     """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft.
 
     Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
     launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.target.tp_decode`);
-    every rank returns the report, rank 0 writes it. `prompts`: see `eval_conversations`."""
+    every rank returns the report, rank 0 writes it. `prompts`: see `eval_conversations`. `write=False`: only
+    return the report (`dflash eval --engine vllm` writes it inside its own, `engine_eval.run_engine_eval`)."""
     draft_dir = exported_folder(draft_dir)  # an export or a run folder's; what --draft is otherwise, said now
     path = Path(out) if out else Path(draft_dir) / "eval.json"
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if write and (not dist.is_initialized() or dist.get_rank() == 0):
         check_writable(path)  # the report is written after minutes of decoding: a bad --out fails now
     conversations = eval_conversations(prompts, draft_dir, held_out_size)  # before any weight is read
     if target is None:  # the target the draft was trained for (its config.json), else the embedded one
@@ -163,7 +164,7 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
     run = lambda m: speculative_report(m, tokenizer, draft, conversations, num_prompts=num_prompts,
                                        max_new_tokens=max_new_tokens)
     report = decode_report(model, run) if tp > 1 else run(model)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if write and (not dist.is_initialized() or dist.get_rank() == 0):
         path.write_text(json.dumps(report, indent=2))
         log.info("wrote %s", path)
     return report
