@@ -7,6 +7,7 @@ GPU scripts import only what they use).
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import Any
 
@@ -32,6 +33,16 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dflash' has no attribute {name!r}")
 
+
+# transformers imports torchao whenever it is installed (its quantizers, on any model load), and torchao then
+# warns "Failed to load .../_C*.so" for each prebuilt kernel library this torch build cannot load (its CUDA
+# kernels beside a CPU torch), and torch that torchao registers its enums the deprecated way: lines on every
+# command that say nothing about the run. dflash's fp8 (float8 training, rowwise) multiplies through
+# torch._scaled_mm, not those libraries, so both are dropped here, before anything imports torchao; other
+# warnings pass.
+logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load "))
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
 
 # In a notebook with no logging configured, dflash's progress lines (regeneration, training, evaluation)
 # are shown in the cells; Python would print warnings only (`dflash.report.console.show_logs_in_notebook`).

@@ -165,6 +165,9 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept
     resume_from: str | None = None  # latest | a checkpoint folder | a run folder
     report_to: list[Sink] = field(default_factory=list)  # console + JSONL always
+    wandb_project: str | None = None  # the wandb project (null: WANDB_PROJECT, else "dflash")
+    run_name: str | None = None  # the wandb run's name (null: WANDB_NAME, else wandb's own)
+    wandb_tags: list[str] = field(default_factory=list)  # the wandb run's tags (empty: WANDB_TAGS, if set)
     progress_bar: bool = True
     max_nonfinite_skips: int = 20  # consecutive skipped (non-finite) updates before the run stops
     init_from: str | None = None  # warm start: weights of an exported draft folder (not a resume)

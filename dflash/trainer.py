@@ -27,7 +27,7 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import Corpus, check_corpus, training_data
 from dflash.data.feature_data import FeatureCollator, batch_collator
-from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches
+from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches, padding_of
 from dflash.embedded import cache_root
 from dflash.evaluation.evaluate import held_out_speculative_eval
 from dflash.evaluation.export import export_draft, load_exported
@@ -40,7 +40,7 @@ from dflash.optim import build_optimizer, lr_at
 from dflash.precision import convert_to_fp8
 from dflash.preflight import check_dependencies
 from dflash.report.console import ProgressBar, quiet_datasets, start_of_run
-from dflash.report.sinks import Reporter, history_size, progress_postfix, window_metrics, write_summary
+from dflash.report.sinks import Reporter, history_record, progress_postfix, training_figures, window_metrics, write_summary
 from dflash.run.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
 from dflash.run.compiling import ShapeLog, batch_shape, compile_draft_call, keep_compile_cache
 from dflash.run.data_parallel import DataParallelDraft
@@ -75,17 +75,9 @@ class DFlashTrainer:
     `config.target`. `train_step(batch)` performs exactly one optimizer step.
     """
 
-    def __init__(
-        self,
-        config: TrainConfig | None = None,
-        *,
-        target: Any = None,
-        tokenizer: Any = None,
-        dataset: Any = None,
-        draft: DFlashDraftModel | None = None,
-        frozen_target: Target | None = None,
-        rank: int | None = None,
-    ) -> None:
+    def __init__(self, config: TrainConfig | None = None, *, target: Any = None, tokenizer: Any = None,
+                 dataset: Any = None, draft: DFlashDraftModel | None = None, frozen_target: Target | None = None,
+                 rank: int | None = None) -> None:
         """`target`: an HF causal LM (else `config.target` is loaded); `draft`: instead of a fresh one;
         `frozen_target`: a target already frozen (benchmarks' `Target` stand-ins), which then needs `draft`."""
         self.config = config = config or TrainConfig()
@@ -270,10 +262,9 @@ class DFlashTrainer:
     def save(self) -> Path:
         """SYNC POINT: an atomic checkpoint of the current step under `output_dir/checkpoints`."""
         # Consolidated state (FSDP2: gathered to rank 0); one writer, the others wait for it. The data's fingerprint
-        # and metrics.jsonl's length let a resume refuse other data and drop the lines logged after this save.
+        # and metrics.jsonl's length and CRC-32 let a resume refuse other data and cut (or restore) its history.
         draft_state, state = self.draft_state_dict(), self.state_dict()
-        state.update(data_fingerprint=self.data_fingerprint,
-                     metrics_bytes=history_size(self.config.output_dir))
+        state.update(data_fingerprint=self.data_fingerprint, **history_record(self.config.output_dir))
         if self.rank == 0:
             path = save_checkpoint(self.config.output_dir, self.step, draft_state,
                                    self.draft_config.to_dict(), state, keep_last=self.config.keep_last)
@@ -336,6 +327,9 @@ class DFlashTrainer:
         self.held_out_peak.train_rows = len(corpus.train)  # epochs in its warning
         check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
         self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
+        padding = padding_of(corpus.train, cfg.batch_size * cfg.optim.grad_accum, self._collator(), seed=cfg.seed)
+        if padding is not None and self.rank == 0:  # what every step pays for its buckets, known before the first
+            log.info(padding.describe())
         write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
         reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0,
                             resumed=self.resumed or {"step": self.step})  # drops lines logged past this step
@@ -347,7 +341,8 @@ class DFlashTrainer:
             checkpoint = checkpoint_path(run_dir, self.step) if self.saved_step == self.step else self.save()
         finally:
             stop.restore()
-        summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last}
+        summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last,
+                                   **({"padding": padding.to_dict()} if padding is not None else {})}
         if watch.tripped or stop.requested:  # the checkpoint is what matters; skip the end-of-run work
             reporter.close()
             if watch.tripped:
@@ -358,12 +353,12 @@ class DFlashTrainer:
 
     def _train(self, corpus: Corpus, reporter: Reporter, stop: StopRequest, watch: NonFiniteWatch) -> dict[str, Any]:
         """The loop to `max_steps` (or a stop): log, evaluate and save at their intervals. Returns the last
-        full log window's metrics (the run's training summary; a shorter last window is logged, marked)."""
+        full log window's metrics (the run's training summary; a shorter window is logged, marked)."""
         cfg, eval_ds = self.config, corpus.eval
         batches = self._device_batches(corpus.train)
         progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step",
                                enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it
-        window_start, window_tokens, last, last_flush_step = time.perf_counter(), 0, {}, self.step
+        window_start, window_tokens, last_flush_step = time.perf_counter(), 0, self.step
         try:
             # next_batch is None when the DataLoader workers ended with a stop request
             while (self.step < cfg.max_steps and not stop.due(self.step, at_flush=last_flush_step == self.step)
@@ -373,12 +368,12 @@ class DFlashTrainer:
                 progress.update(1)
                 watch.poll()  # one process: the device's consecutive-skip count, read as it lands (no wait)
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps or watch.tripped:
-                    last = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
-                                          self.world_size, peak_memory_bytes(self.device))
+                    window = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
+                                            self.world_size, peak_memory_bytes(self.device), cfg.log_interval)
                     last_flush_step = self.step  # SYNC POINT above: the log interval
-                    self._record(reporter, last)
-                    progress.set_postfix_str(progress_postfix(last))
-                    watch.see(last["nonfinite_run"])
+                    self._record(reporter, window)  # at max_steps off the interval: short, marked
+                    progress.set_postfix_str(progress_postfix(window))
+                    watch.see(window["nonfinite_run"])
                     window_start, window_tokens = time.perf_counter(), 0
                 if watch.tripped:  # skipped updates left the weights at the last finite state: saved below
                     break
@@ -394,13 +389,12 @@ class DFlashTrainer:
                 if cfg.save_interval and self.step % cfg.save_interval == 0:
                     self.save()
             if self.step != last_flush_step and not stop.requested:  # the time budget ended a window early
-                partial = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
-                                         self.world_size, peak_memory_bytes(self.device))
-                self._record(reporter, {**partial, "partial_window": True})  # logged, marked: plots leave it out
-                last = last or partial  # the summary keeps the last full window when there is one
+                self._record(reporter, window_metrics(self.metrics.flush(), time.perf_counter() - window_start,
+                                                      window_tokens, self.world_size, peak_memory_bytes(self.device),
+                                                      cfg.log_interval))  # short: logged, marked
         finally:
             progress.close()
-        return last
+        return training_figures(self.history)  # the last full window when there is one
 
     def _finish(self, run_dir: Path, corpus: Corpus, reporter: Reporter, summary: dict[str, Any]) -> dict[str, Any]:
         """The end of a completed run: held-out metrics, the export, speculative decoding, RUN/summary.json."""

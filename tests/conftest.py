@@ -82,6 +82,25 @@ def make_chat_target(tokenizer, num_layers: int = 2, hidden: int = 64, seed: int
     return LlamaForCausalLM(cfg).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_working_folder(tmp_path_factory):
+    """Module-scoped fixtures start in a fresh, empty folder of the module's own (autouse: entered before them).
+    See `_own_working_folder`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("cwd-module"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_working_folder(_module_working_folder, tmp_path_factory, monkeypatch):
+    """Every test runs in a fresh, empty working folder of its own, outside the clone: a relative path (the
+    default `output_dir`, `runs/embedded` or `runs/dflash`) then never meets what `dflash train` or another
+    test left in the folder pytest was started from, and no test writes into the clone. Imports do not
+    depend on it (pyproject's `pythonpath` is absolute), and the tests that run `scripts/...` or
+    `tests/...` pass `cwd=ROOT` to the process they start."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture
 def tiny_target():
     """A fresh tiny target per test (one the test may change)."""

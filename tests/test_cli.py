@@ -173,6 +173,11 @@ def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, con
     assert "1 process: data parallel 1 x tensor parallel 1" in captured.err  # the launch banner
     assert "device cpu | compute float32, draft weights float32 | attention sdpa" in captured.err
     assert " tokens/s " in next(line for line in captured.err.splitlines() if "step 2/4" in line)
+    # What the buckets cost (issue 51): the epoch's real tokens and slots, logged before step 1 and kept.
+    padding = summary["padding"]
+    assert 0 < padding["real_tokens"] < padding["slots"] and padding["real_fraction"] == round(
+        padding["real_tokens"] / padding["slots"], 4)
+    assert f"padding: {padding['real_tokens']:,} real tokens in {padding['slots']:,} slots" in captured.err
     history = read_history(out)
     assert [r["step"] for r in history if "spec_tau" in r] == [2, 4]  # real tau during training
     train_rows = [r for r in history if "loss" in r]

@@ -65,3 +65,23 @@ def test_device_prefetcher_on_cpu_keeps_order_and_content():
     for a, b in zip(got, expected, strict=True):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) and a[k].device.type == "cpu" for k in a)
+
+
+def test_padding_cost_counts_the_epochs_real_tokens_and_slots():
+    """`padding_cost` replays the loader's first epoch: the same batches, each padded as the collator pads it."""
+    import datasets
+
+    from dflash.data.loader import Collator, ResumableSampler, make_dataloader, padding_cost, row_lengths
+
+    lengths = [5, 64, 3, 70, 10, 128, 1, 40, 33]
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "loss_mask": [[1] * n for n in lengths]})
+    assert row_lengths(rows) == lengths == row_lengths(list(rows))
+    collator = Collator(pad_token_id=0, bucket_multiple=32, max_length=96)
+    cost = padding_cost(lengths, 2, collator, seed=3)
+    real = slots = 0
+    for batch in make_dataloader(rows, 2, collator, seed=3, num_workers=0):  # what training reads
+        real, slots = real + int(batch["loss_mask"].sum()), slots + batch["input_ids"].numel()
+    assert (cost.real_tokens, cost.slots, cost.batches) == (real, slots, 4)
+    order = ResumableSampler(len(lengths), seed=3).indices(0)
+    assert cost.slots == sum(2 * collator.length(max(lengths[i] for i in order[k:k + 2])) for k in (0, 2, 4, 6))
+    assert 0 < cost.real_fraction < 1 and "padding" in cost.describe()

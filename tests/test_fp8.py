@@ -3,6 +3,9 @@ like the full-precision one, and that a launch that cannot run it is refused at 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -58,3 +61,15 @@ def test_a_launch_without_fp8_tensor_cores_or_torchao_is_refused_at_start(monkey
     monkeypatch.setattr("dflash.preflight.importable", lambda module: module != "torchao")
     with pytest.raises(MissingDependencyError, match=r"fp8: true needs torchao \(`pip install 'dflash\[fp8\]'`\)"):
         check_dependencies(cfg, target_given=True, dataset_given=True)
+
+
+def test_a_command_prints_no_torchao_kernel_notices(tiny_target_dir):
+    """transformers imports torchao on a model load whenever it is installed; its "Failed to load ....so" lines
+    (kernel libraries of another build) and torch's notice on its enums were printed by every command that
+    loads a model, fp8 or not."""
+    pytest.importorskip("torchao")
+    proc = subprocess.run([sys.executable, "-m", "dflash", "train", f"target={tiny_target_dir}", "device=cpu",
+                           "draft.mask_token_id=16", "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout + proc.stderr
+    assert "Failed to load" not in printed and "is an Enum subclass" not in printed, proc.stderr[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 from pathlib import Path
 
 import datasets
@@ -146,6 +147,22 @@ def test_features_command_writes_what_train_trains_from(feature_dir, tiny_target
     assert recorded == config.data.held_out_split() == corpus.held_out_split
     assert recorded == {"source": str(conversations_file), "split": "train", "limit": None, "eval_size": 8}
     capsys.readouterr()
+
+
+def test_the_train_command_features_prints_trains_as_printed(tiny_target_dir, conversations_file, tmp_path, capsys):
+    """`dflash features` ends with the `dflash train` line for its files. With the config's speculative evaluation
+    left on (the default), that line trains from them as printed (it used to leave spec_eval_prompts on, which a
+    run without the trunk refuses); only a step cap and a run folder are added here."""
+    root = tmp_path / "features"
+    settings = [item for item in _settings(tiny_target_dir, conversations_file, tmp_path / "cache", f"data.features={root}")
+                if not item.startswith("spec_eval_prompts=")]
+    assert main(["features", *settings]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1].split("train from them with: ", 1)[1]
+    command = shlex.split(printed)
+    assert command[:2] == ["dflash", "train"] and f"data.features={root}" in command
+    assert main([*command[1:], f"output_dir={tmp_path / 'run'}", "max_steps=2"]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["held_out"]["loss"] > 0 and "speculative" not in summary
 
 
 def test_features_command_skips_a_finished_folder_and_resumes_an_interrupted_one(

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import _args
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
+from dflash.cli.main import main
 from dflash.report.sinks import read_history
 from dflash.run.checkpoint import find_latest, load_checkpoint
 from dflash.run.compiling import INDUCTOR_CACHE_ENV, compile_draft_call, keep_compile_cache
@@ -356,6 +358,24 @@ def test_schedule_changes_on_resume_are_accepted_and_logged(tmp_path, caplog):
     for change in ("max_steps: 2 -> 4", "optim.lr: 0.003 -> 0.001", "optim.max_grad_norm: 1.0 -> 0.5"):
         assert f"resume: {change} (accepted" in caplog.text, change
     assert "resume: resume_from" not in caplog.text  # differs by nature between launches: not reported
+
+
+@pytest.mark.parametrize(("saved", "asked"), [("adamw", "muon"), ("muon", "adamw")])
+def test_a_resume_under_another_optimizer_names_both_and_the_ways_on(tiny_target_dir, conversations_file, tmp_path,
+                                                                    capsys, saved, asked):
+    """Through the CLI: AdamW's state resumed under Muon ended in `error: 'state.fc.weight.step'`, and Muon's
+    under AdamW loaded half a state silently (the CPU default is Muon, the GPU's AdamW)."""
+    out = tmp_path / "run"
+    args = _args(tiny_target_dir, conversations_file, out, "spec_eval_prompts=0", "progress_bar=false",
+                 "export_on_finish=false")
+    assert main([*args, "max_steps=2", f"optim.optimizer={saved}"]) == 0
+    capsys.readouterr()
+    assert main([*args, "max_steps=4", f"optim.optimizer={asked}", "resume_from=latest"]) == 2
+    err = capsys.readouterr().err
+    assert (f"checkpoint {out / 'checkpoints' / 'step-00000002'} holds {saved} optimizer state and this run asks "
+            f"for optim.optimizer={asked}: one optimizer's state cannot continue another's. Resume with "
+            f"optim.optimizer={saved}, or start a new run from its weights") in err
+    assert "state.fc.weight" not in err and "Traceback" not in err
 
 
 def test_metrics_jsonl_drops_what_was_logged_after_the_checkpoint(tmp_path):

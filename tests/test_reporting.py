@@ -30,6 +30,73 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 2.0
 
 
+def test_a_max_steps_off_the_log_interval_ends_in_a_marked_window(tiny_target_dir, conversations_file, tmp_path):
+    """`dflash train max_steps=10 log_interval=4`: the last window has 2 steps. It is logged with them, marked
+    `partial_window` like a time budget's, the summary's training figures are step 8's full window, and the
+    plots leave it out (it was reported and drawn as a full window)."""
+    from test_cli import _args
+
+    from dflash.cli.main import main
+    from dflash.report.plot import series
+
+    out = tmp_path / "run"
+    assert main(_args(tiny_target_dir, conversations_file, out, "max_steps=10", "log_interval=4",
+                      "spec_eval_prompts=0")) == 0
+    history = read_history(out)
+    windows = {row["step"]: row for row in history if "tokens_per_s" in row}
+    assert sorted(windows) == [4, 8, 10] and [windows[s]["steps"] for s in (4, 8, 10)] == [4, 4, 2]
+    assert windows[10]["partial_window"] is True and not any("partial_window" in windows[s] for s in (4, 8))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["train"] == {k: v for k, v in windows[8].items() if k != "step"}
+    assert series(history, "loss")[0] == [4, 8]
+    assert series([windows[10]], "loss")[0] == [10]  # a run shorter than one window still draws its point
+
+
+def _recording_wandb_init(monkeypatch) -> list[tuple[str, str, list[str]]]:
+    """wandb.init as it is, recording each run's (project, name, tags) as the run object reads them."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs, init = [], wandb.init
+
+    def recording(*args, **kwargs):
+        run = init(*args, **kwargs)
+        runs.append((run.project, run.name, sorted(run.tags)))
+        return run
+
+    monkeypatch.setattr(wandb, "init", recording)
+    return runs
+
+
+def test_dflash_train_names_the_wandb_run_as_asked(tiny_target_dir, conversations_file, tmp_path, monkeypatch):
+    """The config's wandb_project, run_name and wandb_tags reach the wandb run of `dflash train`; the key wins
+    over WANDB_PROJECT (the run went to the project "dflash" whatever either said)."""
+    from test_cli import _args
+
+    from dflash.cli.main import main
+
+    runs = _recording_wandb_init(monkeypatch)
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")
+    assert main(_args(tiny_target_dir, conversations_file, tmp_path / "run", "max_steps=2", "spec_eval_prompts=0",
+                      "report_to=[wandb]", "wandb_project=drafts", "run_name=tiny-seed-0",
+                      "wandb_tags=[cpu,tiny]")) == 0
+    assert runs == [("drafts", "tiny-seed-0", ["cpu", "tiny"])]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_the_wandb_project_is_the_key_else_wandb_project_else_dflash(tmp_path, monkeypatch):
+    from dflash.config import TrainConfig
+
+    runs = _recording_wandb_init(monkeypatch)
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")
+    Reporter(tmp_path / "key", ["wandb"], TrainConfig(wandb_project="drafts").to_dict()).close()
+    Reporter(tmp_path / "env", ["wandb"], TrainConfig().to_dict()).close()
+    monkeypatch.delenv("WANDB_PROJECT")
+    Reporter(tmp_path / "default", ["wandb"], TrainConfig().to_dict()).close()
+    assert [project for project, _, tags in runs] == ["drafts", "from-the-environment", "dflash"]
+    assert all(tags == [] for _, _, tags in runs)
+
+
 def test_unknown_sink_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown sink"):
         Reporter(tmp_path, ["mlflow"], {})

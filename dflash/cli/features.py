@@ -3,7 +3,9 @@ work; the file format and the writer are `dflash.data.features`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,21 @@ from dflash.runtime import load_target, load_tokenizer, resolve_device, resolve_
 from dflash.target.frozen import FrozenTarget
 
 log = logging.getLogger("dflash")
+# What a run from features must leave off: each needs the target's trunk, which such a run never loads
+# (`factory.offline_target` refuses them), so the printed train command sets them to these values.
+WITHOUT_TRUNK = {"spec_eval_prompts": 0, "spec_eval_interval_prompts": 0, "tensor_parallel.size": 1}
+
+
+def train_command(config_file: str | None, overrides: list[str], config: TrainConfig) -> str:
+    """The `dflash train` line that trains from the features `dflash features` wrote, ready to paste: the
+    same config file and overrides (the same target, draft and rows; features made otherwise are refused),
+    `data.features` naming the folder, and `WITHOUT_TRUNK`'s settings where the config has others (later
+    overrides win; `dflash eval --draft RUN/export` decodes speculatively after the run)."""
+    kept = [item for item in overrides if item.split("=", 1)[0].strip() != "data.features"]
+    off = [f"{key}={value}" for key, value in WITHOUT_TRUNK.items()
+           if functools.reduce(getattr, key.split("."), config) != value]
+    return shlex.join(["dflash", "train", *([config_file] if config_file else []), *kept,
+                       f"data.features={config.data.features}", *off])
 
 
 def write_run_features(config: TrainConfig, *, target: Any = None, tokenizer: Any = None) -> dict[str, Path]:

@@ -56,13 +56,22 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dflash.evaluation.evaluate import format_report, run_eval
     from dflash.report.console import process_rank
     from dflash.runtime import launch_process_group
 
+    if args.engine == "vllm":  # dflash's own evaluation, then the export served by vLLM: one process, no launcher
+        from dflash.evaluation.engine_eval import format_engine_report, run_engine_eval
+
+        print(format_engine_report(run_engine_eval(
+            args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, out=args.out)))
+        return 0
+    from dflash.evaluation.evaluate import format_report, run_eval
+
     with launch_process_group():  # torchrun shards the target: its group goes before exit
         report = run_eval(args.draft, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
-                          max_new_tokens=args.max_new_tokens, device=args.device, out=args.out)  # target None: the draft's
+                          max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
+                          out=args.out)  # target None: the draft's
         rank = process_rank()  # read while the group exists: every rank returns the report, rank 0 prints it
     if rank == 0:
         print(format_report(report))
@@ -100,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _features(args: argparse.Namespace) -> int:
-    from dflash.cli.features import write_run_features
+    from dflash.cli.features import train_command, write_run_features
     from dflash.runtime import launch_process_group
 
     config = _checked_config(args)
@@ -108,7 +117,7 @@ def _features(args: argparse.Namespace) -> int:
     with launch_process_group():
         parts = write_run_features(config)
     print(f"features: {', '.join(str(path) for path in parts.values())} ({time.perf_counter() - start:.1f} s); train "
-          f"from them with: dflash train [CONFIG] data.features={config.data.features}")
+          f"from them with: {train_command(args.config, args.overrides, config)}")
     return 0
 
 
@@ -161,7 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-prompts", type=int, default=20)
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--device", default="auto")
-    ev.add_argument("--out", help="JSON report path (default: DRAFT/eval.json)")
+    ev.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),  # dflash.runtime.DTYPES
+                    help="auto: bf16 on a GPU, fp32 on the CPU (both engines run in it)")
+    ev.add_argument("--engine", choices=("dflash", "vllm"), default="dflash",
+                    help="dflash: dflash's own decoder; vllm: also serve the target in vLLM with the draft as its "
+                    "speculative draft and report vLLM's acceptance length, losslessness and tokens/s beside dflash's tau")
+    ev.add_argument("--out", help="JSON report path (default: DRAFT/eval.json; with --engine vllm DRAFT/eval_vllm.json)")
     ev.set_defaults(func=_eval)
 
     ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format; "

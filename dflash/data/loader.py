@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -234,6 +236,61 @@ def micro_batches(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
     parts = {k: v.chunk(n) for k, v in batch.items() if torch.is_tensor(v)}
     width = {"num_anchors": batch["num_anchors"]} if "num_anchors" in batch else {}
     return [{**{k: v[i] for k, v in parts.items()}, **width} for i in range(n)]
+
+
+def row_lengths(dataset: Any) -> list[int] | None:
+    """Tokens of every row of a training set: a `datasets.Dataset`'s `input_ids` list lengths read from its Arrow
+    column (no row is decoded), a list's rows counted; None for other sets (an offline feature set would read
+    every row's features to count them)."""
+    if isinstance(dataset, datasets.Dataset):
+        return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+    if isinstance(dataset, list):
+        return [len(row["input_ids"]) for row in dataset]
+    return None
+
+
+@dataclass(frozen=True)
+class PaddingCost:
+    """What one epoch of bucketed batches carries: `real_tokens` of rows in `slots` = batch rows x padded
+    length, summed over the epoch's full batches. Every op of a step (the target's forward, attention, MLP, the
+    LM head) runs on the slots, so `real_fraction` is the share of a step's work spent on text."""
+
+    real_tokens: int
+    slots: int
+    batches: int
+
+    @property
+    def real_fraction(self) -> float:
+        return self.real_tokens / self.slots if self.slots else 0.0
+
+    def describe(self) -> str:
+        return (f"padding: {self.real_tokens:,} real tokens in {self.slots:,} slots over the {self.batches:,} batches of "
+                f"an epoch ({self.real_fraction:.1%} real, {1 - self.real_fraction:.1%} padding)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary's record (`summary.json` "padding")."""
+        return {"real_tokens": self.real_tokens, "slots": self.slots, "batches": self.batches,
+                "real_fraction": round(self.real_fraction, 4)}
+
+
+def padding_of(dataset: Any, rows: int, collator: Any, *, seed: int = 0) -> PaddingCost | None:
+    """`padding_cost` of a training set whose row lengths can be read (`row_lengths`) under a bucketing
+    `Collator`; None otherwise (offline features)."""
+    lengths = row_lengths(dataset) if isinstance(collator, Collator) else None
+    return padding_cost(lengths, rows, collator, seed=seed) if lengths is not None else None
+
+
+def padding_cost(lengths: Sequence[int], rows: int, collator: Collator, *, seed: int = 0) -> PaddingCost:
+    """`PaddingCost` of the first epoch's batches of `rows` rows in the order `make_dataloader` plays them (one
+    process's share of it; full batches only, as the loader drops the last), from row `lengths` alone: the
+    run's exact padding, known before its first step."""
+    order = ResumableSampler(len(lengths), seed=seed).indices(0)
+    real = slots = batches = 0
+    for start in range(0, len(order) - rows + 1, rows):
+        batch = [lengths[i] for i in order[start : start + rows]]
+        seq = collator.length(max(batch))
+        real, slots, batches = real + sum(min(n, seq) for n in batch), slots + rows * seq, batches + 1
+    return PaddingCost(real, slots, batches)
 
 
 @dataclass

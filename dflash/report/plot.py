@@ -51,10 +51,12 @@ def load_history(run: str | Path | History) -> list[dict[str, Any]]:
 
 
 def series(history: History, key: str) -> tuple[list[int], list[Any]]:
-    """(steps, values) of every entry that has `key`, in order. A partial last window (a time budget or a
-    stop between log steps: `partial_window`, its `steps` fewer than `log_interval`) is left out: a window
-    of one or two steps would draw as a spike (it stays in metrics.jsonl, marked)."""
-    rows = [row for row in history if row.get(key) is not None and not row.get("partial_window")]
+    """(steps, values) of every entry that has `key`, in order. A partial window (`partial_window`: fewer steps
+    than `log_interval`, ended by a time budget or a `max_steps` off the interval) is left out: a window of one
+    or two steps would draw as a spike (it stays in metrics.jsonl, marked). A run shorter than one window
+    draws its partial windows: they are all it has."""
+    rows = [row for row in history if row.get(key) is not None]
+    rows = [row for row in rows if not row.get("partial_window")] or rows
     return [int(row["step"]) for row in rows], [row[key] for row in rows]
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import typing
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from dflash.config import Sink
 from dflash.files import write_atomic
 
 log = logging.getLogger("dflash")
-HISTORY_BACKUP = "metrics.before-resume.jsonl"  # the lines a resume went back past, until it passes them
+HISTORY_BACKUP = "metrics.before-resume.jsonl"  # the lines a resume went back past, until it ends past them
 SUMMARY_NAME = "summary.json"  # RUN/summary.json: what `fit` returned, in full
 
 
@@ -33,9 +35,11 @@ def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
 
 
 def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int, world_size: int = 1,
-                   peak_bytes: int | None = None) -> dict[str, Any]:
+                   peak_bytes: int | None = None, log_interval: int | None = None) -> dict[str, Any]:
     """A flushed window as it is logged: throughput added, and the loss None when no update of the window
     was finite (skipped and empty steps add no supervised weight; 0.0 would read as a perfect draft).
+    A window of fewer steps than `log_interval` (a time budget, or a `max_steps` off the interval, ended it)
+    is marked `partial_window`: `training_figures` and the plots pass over it.
 
     One unit, input tokens per second (the rows of every batch at their padded length): `tokens_per_s`
     over all ranks (this rank's count times `world_size`: every rank takes as many rows per step, each
@@ -49,7 +53,17 @@ def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int, world_s
         out["peak_memory_gib"] = peak_bytes / 2**30
     if out.get("loss") == 0.0 and (out.get("nonfinite_skips") or out.get("empty_windows")):
         out.update({k: None for k in ("loss", "base_loss") if k in out})
+    if log_interval is not None and flushed["steps"] < log_interval:  # `steps`: counted once, whatever the ranks
+        out["partial_window"] = True
     return out
+
+
+def training_figures(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's training summary from its recorded rows: the last full log window, else (a run shorter than
+    one window) the last partial one, else {}. A few steps' window is noise next to a full one."""
+    windows = [row for row in history if "tokens_per_s" in row]
+    chosen = next((row for row in reversed(windows) if not row.get("partial_window")), windows[-1] if windows else {})
+    return {key: value for key, value in chosen.items() if key != "step"}
 
 
 def progress_postfix(metrics: dict[str, Any]) -> str:
@@ -68,15 +82,31 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any], *, enabled: bool
     return summary
 
 
-def truncate_history(path: str | Path, step: int, size: int | None = None) -> int:
+def truncate_history(path: str | Path, step: int, size: int | None = None, crc: int | None = None) -> int:
     """Drop what a run logged after its checkpoint at `step`, which a resumed run logs again: the bytes past
     `size` (the file's length when that checkpoint was saved), else the lines of later steps and a
-    half-written last line. Returns the number of lines dropped."""
+    half-written last line. Returns the number of lines dropped.
+
+    `crc` (the CRC-32 of those `size` bytes) tells which history the checkpoint continues. When metrics.jsonl
+    does not hold it and RUN/metrics.before-resume.jsonl does, a launch that went back to an older
+    checkpoint was killed before its first checkpoint committed, and this resume (`latest`) continues the
+    history that launch set aside: metrics.jsonl is rebuilt from the backup (the cut version once lost the
+    steps past the rewind for good). The killed launch's own lines are dropped, logged: no checkpoint
+    continues them."""
     path = Path(path)
+    backup = path.with_name(HISTORY_BACKUP)
+    data = path.read_bytes() if path.is_file() else b""
+    if (size is not None and crc is not None and not _holds(data, size, crc) and backup.is_file()
+            and _holds(aside := backup.read_bytes(), size, crc)):
+        write_atomic(path, aside[:size])
+        shared = data.rfind(b"\n", 0, len(os.path.commonprefix([data, aside[:size]]))) + 1
+        log.warning("%s: restored steps to %d from %s (the launch that went back to an older checkpoint was "
+                    "stopped before its first checkpoint); dropped its %d line(s), which no checkpoint continues",
+                    path, step, backup, data[shared:].count(b"\n"))
+        return 0
     if not path.is_file():
         return 0
-    data = path.read_bytes()
-    if size is not None and size <= len(data):
+    if size is not None and size <= len(data) and (crc is None or _holds(data, size, crc)):
         keep = data[:size]
     else:
         def kept(line: bytes) -> bool:
@@ -93,6 +123,10 @@ def truncate_history(path: str | Path, step: int, size: int | None = None) -> in
     return data.count(b"\n") + (not data.endswith(b"\n")) - keep.count(b"\n")
 
 
+def _holds(data: bytes, size: int, crc: int) -> bool:
+    return len(data) >= size and zlib.crc32(data[:size]) == crc
+
+
 def last_step(data: bytes) -> int:
     """The step of the last whole line of a metrics.jsonl's bytes (-1 when there is none)."""
     for line in reversed(data.splitlines(keepends=True)):
@@ -106,11 +140,20 @@ def last_step(data: bytes) -> int:
 
 
 def _keep_aside(backup: Path, data: bytes) -> None:
-    """Keep the whole history a resume goes back past in `backup` until the resumed run logs past its last
-    step (`Reporter.log`): if that run is killed first, the later lines are still there. An older backup
-    that reaches further is kept instead."""
+    """Keep the whole history a resume goes back past in `backup` until the resumed run ends having logged
+    past its last step (`Reporter.close`): if that run is killed first, the later lines are still there
+    (and `truncate_history` takes them back when the next resume continues them). An older backup that
+    reaches further is kept instead."""
     if not (backup.is_file() and last_step(backup.read_bytes()) >= last_step(data)):
         write_atomic(backup, data)
+
+
+def wandb_names(config: dict[str, Any]) -> dict[str, Any]:
+    """`wandb.init`'s project, name and tags from the run's config: a key that is set wins, else wandb's own
+    variables as the `transformers.Trainer` leaves them to it (WANDB_PROJECT, WANDB_NAME, WANDB_TAGS), else
+    the project "dflash" (wandb's default, "uncategorized", would mix the runs with every other project's)."""
+    return {"project": config.get("wandb_project") or os.environ.get("WANDB_PROJECT") or "dflash",
+            "name": config.get("run_name") or None, "tags": config.get("wandb_tags") or None}
 
 
 class Reporter:
@@ -120,7 +163,7 @@ class Reporter:
                  enabled: bool = True, console: bool = True, resumed: dict[str, Any] | None = None) -> None:
         """`resumed` (`dflash.run.state.resume_record`, or `{"step": 0}` for a fresh start): metrics.jsonl loses
         what an earlier launch logged after that step, so no step is logged twice; those lines wait in
-        RUN/metrics.before-resume.jsonl until this run has logged past them."""
+        RUN/metrics.before-resume.jsonl until this run ends (`close`) having logged past them."""
         self.enabled, self.console = enabled, console
         self.jsonl = Path(run_dir) / "metrics.jsonl"
         self.backup, self.backup_until, self.last_logged = self.jsonl.with_name(HISTORY_BACKUP), -1, -1
@@ -129,7 +172,8 @@ class Reporter:
             return
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
         if resumed is not None:
-            dropped = truncate_history(self.jsonl, resumed["step"], resumed.get("metrics_bytes"))
+            dropped = truncate_history(self.jsonl, resumed["step"], resumed.get("metrics_bytes"),
+                                       resumed.get("metrics_crc32"))
             if dropped:
                 log.info("%s: moved %d line(s) an earlier launch logged after step %d to %s until this run logs "
                          "past them", self.jsonl, dropped, resumed["step"], self.backup)
@@ -141,7 +185,7 @@ class Reporter:
         if "wandb" in report_to:
             import wandb  # honours WANDB_MODE (offline / disabled)
 
-            self._wandb = wandb.init(project="dflash", dir=str(run_dir), config=config)
+            self._wandb = wandb.init(**wandb_names(config), dir=str(run_dir), config=config)
         if "tensorboard" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -155,9 +199,7 @@ class Reporter:
             return
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.last_logged = step
-        if 0 <= self.backup_until < step:  # written past every line the resume went back over
-            self._drop_backup()
+        self.last_logged = step  # the backup is not dropped here: only once this run's last checkpoint is saved
         if self.console:
             log.info(format_line(step, max_steps or step, metrics))
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -174,6 +216,9 @@ class Reporter:
         self.backup_until = -1
 
     def close(self) -> None:
+        """End the sinks. The trainer closes after its last save, so the lines a resume went back past are
+        dropped only once a checkpoint past them is committed: a launch killed earlier leaves them, and
+        the next resume of the checkpoint they belong to takes them back (`truncate_history`)."""
         if 0 <= self.backup_until <= self.last_logged:  # the run ended having logged every step again
             self._drop_backup()
         if self._wandb is not None:
@@ -182,10 +227,12 @@ class Reporter:
             self._tb.close()
 
 
-def history_size(run_dir: str | Path) -> int:
-    """metrics.jsonl's length in bytes (saved with each checkpoint for `truncate_history`)."""
+def history_record(run_dir: str | Path) -> dict[str, int]:
+    """metrics.jsonl's length in bytes and CRC-32 (saved with each checkpoint for `truncate_history`: the
+    length says where a resume cuts, the checksum which history, this file's or the backup's, it continues)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return path.stat().st_size if path.is_file() else 0
+    data = path.read_bytes() if path.is_file() else b""
+    return {"metrics_bytes": len(data), "metrics_crc32": zlib.crc32(data)}
 
 
 def read_history(run_dir: str | Path) -> list[dict[str, Any]]:

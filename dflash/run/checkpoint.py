@@ -59,7 +59,12 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 DRAFT_FILES = ("draft.safetensors", "draft_config.json")
 FILES = (*DRAFT_FILES, "trainer_state.pt")
-_STEP_NAME = re.compile(r"step-\d{8}")
+# dflash's own names in `checkpoints/`: only these are ever cleaned, pruned or removed (a user's
+# `step-best/` matches `step-*` and was once deleted as a half-deleted checkpoint).
+STEP_NAME = re.compile(r"step-\d{8}")
+_TMP_NAME, _OLD_NAME, _POINTER_TMP = (re.compile(r"\.tmp-step-\d{8}-\d+"), re.compile(r"\.old-(step-\d{8})-\d+"),
+                                      re.compile(r"\.latest-\d+"))
+OWN_CHECKPOINT_ENTRY = re.compile(r"step-\d{8}|latest|\.latest-\d+|\.(tmp|old)-step-\d{8}-\d+")
 FAULT_POINTS = ("save-write", "save-complete", "save-aside", "save-installed", "save-pointer", "delete", "clean")
 _fault_hits: Counter[str] = Counter()
 
@@ -83,6 +88,12 @@ def _fault(point: str) -> None:
             os.killpg(os.getpgrp(), signal.SIGTERM)  # what a scheduler sends: the process and its workers
         else:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _own(root: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """The entries of `root` that `pattern` names, links left out: dflash makes no links, so a link is a
+    user's, and cleaning through it would reach into another folder (another run's checkpoints)."""
+    return sorted(p for p in root.iterdir() if pattern.fullmatch(p.name) and not p.is_symlink())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -141,7 +152,7 @@ def save_checkpoint(
         for name, data in files.items():
             _write(tmp / name, data)
             _fault("save-write")
-        seq = 1 + max((_marker(p).get("seq", 0) for p in root.glob("step-*")), default=0)  # the newest save
+        seq = 1 + max((_marker(p).get("seq", 0) for p in _own(root, STEP_NAME)), default=0)  # the newest save
         marker = {"step": step, "seq": seq, "sizes": {n: len(d) for n, d in files.items()},
                   "crc32": {n: zlib.crc32(d) for n, d in files.items()}}  # about 6 GB/s: seconds for a 1B draft
         _write(tmp / COMPLETE, json.dumps(marker).encode())
@@ -186,7 +197,11 @@ def _install(root: Path, tmp: Path, final: Path) -> Path | None:
 
 def _remove(path: Path, fault: str = "delete") -> None:
     """Delete a checkpoint folder: its COMPLETE marker first (made durable), then the rest, so a kill
-    part way leaves a folder nobody resumes from (removed at the next start)."""
+    part way leaves a folder nobody resumes from (removed at the next start). A link (a user's) is
+    removed as a link: nothing behind it is touched."""
+    if path.is_symlink():
+        path.unlink()
+        return
     try:
         (path / COMPLETE).unlink(missing_ok=True)
         _fsync_dir(path)
@@ -199,7 +214,7 @@ def _remove(path: Path, fault: str = "delete") -> None:
 def _prune(root: Path, keep_last: int, current: Path) -> None:
     """Keep `current` and the `keep_last - 1` newest complete checkpoints before it. Later steps (left
     by a run that went further before this one resumed from an older checkpoint) are not touched."""
-    older = sorted(p for p in root.glob("step-*") if p.name < current.name and (p / COMPLETE).exists())
+    older = [p for p in _own(root, STEP_NAME) if p.name < current.name and (p / COMPLETE).exists()]
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         _remove(old)
 
@@ -217,8 +232,8 @@ def prepare_run_dir(run_dir: str | Path) -> None:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return
-    for old in sorted(root.glob(".old-step-*")):
-        name = old.name[len(".old-"):].rsplit("-", 1)[0]
+    for old in _own(root, _OLD_NAME):
+        name = _OLD_NAME.fullmatch(old.name).group(1)
         try:
             if (old / COMPLETE).exists() and not (root / name).exists():
                 os.replace(old, root / name)
@@ -229,12 +244,12 @@ def prepare_run_dir(run_dir: str | Path) -> None:
             continue  # another rank got there first
         log.warning("removing %s, the old copy of a checkpoint saved again", old)
         _remove(old, fault="clean")
-    for tmp in sorted(root.glob(".tmp-*")):
+    for tmp in _own(root, _TMP_NAME):
         log.warning("removing %s, left by an interrupted save", tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-    for pointer in root.glob(".latest-*"):
+    for pointer in _own(root, _POINTER_TMP):
         pointer.unlink(missing_ok=True)
-    for cand in sorted(root.glob("step-*")):
+    for cand in _own(root, STEP_NAME):
         if cand.is_dir() and not (cand / COMPLETE).exists():
             log.warning("removing %s: no %s marker (its deletion was interrupted)", cand, COMPLETE)
             shutil.rmtree(cand, ignore_errors=True)
@@ -330,8 +345,8 @@ def find_latest(run_dir: str | Path, files: tuple[str, ...] = FILES) -> Path | N
         return None
     pointer = root / "latest"
     named = pointer.read_text().strip() if pointer.is_file() else ""
-    named = named if _STEP_NAME.fullmatch(named) else ""
-    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True,
+    named = named if STEP_NAME.fullmatch(named) else ""
+    candidates = sorted((p for p in root.glob("step-*") if STEP_NAME.fullmatch(p.name) and p.is_dir()), reverse=True,
                         key=lambda p: (_marker(p).get("seq", 0), p.name == named, p.name))
     damaged = []
     for cand in candidates:

@@ -72,13 +72,28 @@ def accepted_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str
 
 
 def check_resume_config(path: Any, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a resume whose run-defining settings differ (listing them); log every accepted change."""
+    """Refuse a resume whose run-defining settings differ (listing them) or whose optimizer differs (naming
+    both and the ways on); log every accepted change."""
+    check_same_optimizer(path, saved, current)
     refused = config_differences(saved, current)
     if refused:
         raise ValueError(f"checkpoint {path} was written with a different configuration; resuming would not "
                          "continue the same run. Differences (checkpoint -> now):\n  " + "\n  ".join(refused))
     for change in accepted_changes(saved, current):
         log.info("resume: %s (accepted: it does not change what the run trains on)", change)
+
+
+def check_same_optimizer(path: Any, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume one optimizer's state into another (`optim.optimizer`): AdamW's moments and Muon's
+    momentum are different tensors under the same parameter names, and loading one into the other failed
+    deep in torch with `error: 'state.fc.weight.step'` (AdamW into Muon) or loaded half a state (Muon into
+    AdamW). Checkpoints from before the setting are AdamW's."""
+    was, now = ((config.get("optim") or {}).get("optimizer", "adamw") for config in (saved, current))
+    if was != now:
+        raise ValueError(f"checkpoint {path} holds {was} optimizer state and this run asks for optim.optimizer={now}: "
+                         f"one optimizer's state cannot continue another's. Resume with optim.optimizer={was}, or "
+                         f"start a new run from its weights with {now}: dflash export {path} DRAFT_DIR, then "
+                         f"init_from=DRAFT_DIR optim.optimizer={now} in a new output_dir")
 
 
 def data_fingerprint(dataset: Any, max_rows: int = 20_000) -> str:
@@ -94,11 +109,12 @@ def data_fingerprint(dataset: Any, max_rows: int = 20_000) -> str:
 
 
 def resume_record(path: Any, state: dict[str, Any], run_dir: Any) -> dict[str, Any]:
-    """What `fit` checks after a resume: the step, the data fingerprint saved with it, and the length
-    metrics.jsonl had at that save (only when the checkpoint belongs to this run folder)."""
+    """What `fit` checks after a resume: the step, the data fingerprint saved with it, and the length and
+    CRC-32 metrics.jsonl had at that save (only when the checkpoint belongs to this run folder)."""
     own = Path(path).resolve().parent.parent == Path(run_dir).resolve()
     return {"path": str(path), "step": int(state["step"]), "data_fingerprint": state.get("data_fingerprint"),
-            "metrics_bytes": state.get("metrics_bytes") if own else None}
+            "metrics_bytes": state.get("metrics_bytes") if own else None,
+            "metrics_crc32": state.get("metrics_crc32") if own else None}
 
 
 def check_training_data(corpus: Any, config: Any, resumed: dict[str, Any] | None) -> str:
