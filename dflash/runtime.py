@@ -26,6 +26,7 @@ from huggingface_hub import snapshot_download
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.embedded import embedded_target_dir, load_embedded_target
+from dflash.modeling import text_config_of
 
 if TYPE_CHECKING:  # annotations only
     from dflash.config import TrainConfig
@@ -178,6 +179,12 @@ def load_target(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
 def load_target_config(name: str) -> Any:
     """The HF config of `config.target` (no weights read)."""
     return _from_pretrained(name, AutoConfig.from_pretrained)
+
+
+def target_positions(name: str) -> int | None:
+    """The positions `config.target` was built for (its text config's `max_position_embeddings`; None when it
+    names none): an engine refuses a longer `max_model_len`. No weights read."""
+    return getattr(text_config_of(load_target_config(name)), "max_position_embeddings", None)
 
 
 def load_tokenizer(name: str) -> Any:

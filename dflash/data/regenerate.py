@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 from filelock import FileLock, Timeout
+from transformers import GenerationConfig
 
 from dflash.engines import Replier, Reply
 from dflash.report.console import ProgressBar
+from dflash.runtime import load_target_config, target_location
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,16 @@ def generation_stop_ids(generation_config: Any, tokenizer: Any) -> list[int]:
     if not ids:
         raise ValueError("neither the model's generation config nor the tokenizer defines an eos token")
     return sorted(ids)
+
+
+def target_stop_ids(target: str, tokenizer: Any) -> list[int]:
+    """`stop_token_ids` of `config.target` without loading its weights (an engine serves its folder): the folder's
+    generation config, else the one transformers derives from the model config, as `from_pretrained` does."""
+    try:
+        generation = GenerationConfig.from_pretrained(target_location(target))
+    except OSError:  # no generation_config.json
+        generation = GenerationConfig.from_model_config(load_target_config(target))
+    return generation_stop_ids(generation, tokenizer)
 
 
 def _prompt_ids(tokenizer: Any, context: Sequence[Message]) -> list[int]:

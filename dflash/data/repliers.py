@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
 from dflash.config import DataSettings
-from dflash.data.regenerate import TransformersReplier, generation_stop_ids
+from dflash.data.regenerate import TransformersReplier, target_stop_ids
 from dflash.engines import Replier
 from dflash.engines.openai_server import ServerReplier, served_fingerprint, served_identity
 from dflash.engines.vllm_engine import VLLMReplier
-from dflash.modeling import text_config_of
-from dflash.runtime import load_target_config, target_location, weights_fingerprint
+from dflash.runtime import target_location, target_positions, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +70,12 @@ def make_replier(settings: DataSettings, target: str, tokenizer: Any, identity: 
     engine = settings.regenerate_engine
     if engine == "transformers":
         return TransformersReplier(model, tokenizer)
-    location = target_location(target)
-    try:
-        generation_config = GenerationConfig.from_pretrained(location)
-    except OSError:  # a folder without generation_config.json: the tokenizer's eos alone
-        generation_config = None
-    stop = generation_stop_ids(generation_config, tokenizer)
+    location, stop = target_location(target), target_stop_ids(target, tokenizer)
     if engine == "vllm":
         param = next(model.parameters(), None) if model is not None else None
         # vLLM refuses a max_model_len past the model's positions; a prompt near that limit gets a reply cut short
         # there (as its positions end), where generate() would run past them.
-        positions = getattr(text_config_of(load_target_config(target)), "max_position_embeddings", None)
+        positions = target_positions(target)
         longest = settings.regenerate_max_prompt_tokens + settings.regenerate_max_new_tokens
         return VLLMReplier(location, tokenizer, stop,
                            dtype=dtype or (param.dtype if param is not None else torch.float32),

@@ -40,15 +40,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import GenerationConfig
 
-from dflash.data.regenerate import generation_stop_ids
+from dflash.data.regenerate import target_stop_ids
 from dflash.engines.vllm_engine import build_llm, greedy_sampling, require_vllm, shutdown, token_prompts
 from dflash.evaluation.evaluate import check_writable, eval_conversations, prompt_ids, run_eval
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, exported_folder, trained_target
 from dflash.evaluation.serving import DFLASH2, DOMINO, DSPARK, VLLM_DOMINO, draft_kind, num_speculative_tokens
-from dflash.modeling import text_config_of
-from dflash.runtime import load_target_config, load_tokenizer, resolve_device, resolve_dtype, target_location
+from dflash.runtime import load_tokenizer, resolve_device, resolve_dtype, target_location, target_positions
 
 log = logging.getLogger(__name__)
 
@@ -213,16 +211,6 @@ def _device_kind(device: str) -> torch.device:
         return resolve_device(device)  # its ValueError naming the valid devices
 
 
-def _stop_ids(target: str, tokenizer: Any) -> list[int]:
-    """The stop tokens dflash's own evaluation uses (`stop_token_ids` of the loaded target), read without loading
-    the weights: the folder's generation config, else the one transformers derives from the model config."""
-    try:
-        generation = GenerationConfig.from_pretrained(target_location(target))
-    except OSError:  # no generation_config.json: what `from_pretrained` of the model gives it
-        generation = GenerationConfig.from_model_config(load_target_config(target))
-    return generation_stop_ids(generation, tokenizer)
-
-
 def _free_memory() -> None:
     """Return the memory of dflash's own evaluation before an engine measures what is free."""
     gc.collect()
@@ -251,7 +239,7 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
     target = target or trained_target(export_dir) or "embedded"  # run_eval's rule, resolved once for both engines
     tokenizer = load_tokenizer(target)
     ids = prompt_ids(tokenizer, eval_conversations(prompts, export_dir, held_out_size), num_prompts)
-    stops = _stop_ids(target, tokenizer)
+    stops = target_stop_ids(target, tokenizer)
     torch_dtype = resolve_dtype(dtype, dev)
 
     own = run_eval(export_dir, target=target, prompts=prompts, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
@@ -262,7 +250,7 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
     location, spec = target_location(target), speculative_config(export_dir, config)
     log.info("vLLM %s: %d prompts x %d new tokens, greedy, then with %s", vllm.__version__, len(ids), max_new_tokens,
              json.dumps(spec))
-    positions = getattr(text_config_of(load_target_config(target)), "max_position_embeddings", None)
+    positions = target_positions(target)
     run = dict(max_new_tokens=max_new_tokens, dtype=torch_dtype, device=dev, positions=positions)
     greedy = vllm_decode(location, ids, stops, spec=None, **run)
     served = vllm_decode(location, ids, stops, spec=spec, **run)
