@@ -1,4 +1,4 @@
-"""dflash: a sync-free trainer for DFlash / Domino speculative-decoding draft models.
+"""dflash: a sync-free trainer for DFlash-family speculative-decoding draft models (DFlash, Domino, DFlash 2, DSpark).
 
 Heavy submodules are imported lazily so that `import dflash` stays cheap (the CLI and the
 GPU scripts import only what they use).

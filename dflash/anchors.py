@@ -2,7 +2,9 @@
 
 A block of `block_size` tokens starts at an *anchor* position a: slot 0 holds the clean token at a,
 slots 1..bs-1 are predicted. Position i of row b is a valid anchor when `loss_mask[b, i]` and
-`loss_mask[b, i + 1]` are both set (at least one supervised token follows a supervised anchor).
+`loss_mask[b, i + 1]` are both set (at least one supervised token follows a supervised anchor) and, in a
+packed row (`position_ids` restarting at 0 for each document, `dflash.data.packing`), i + 1 is in i's
+document.
 That rule is written once, in `valid_anchor_mask`; the host-side width bound (`max_valid_anchors`)
 and tokenization's test for a usable row (`has_valid_anchor`) are built on it.
 
@@ -23,16 +25,20 @@ import torch
 _INVALID_SCORE = 2.0
 
 
-def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
-    """`[B, S]` bool: position i is a valid anchor (loss_mask[i] and loss_mask[i+1]); the last is never."""
+def valid_anchor_mask(loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, S]` bool: position i is a valid anchor (loss_mask[i] and loss_mask[i+1], and with packed rows'
+    `position_ids` `[B, S]` i + 1 in i's document); the last is never."""
     lm = loss_mask.bool()
     valid = torch.zeros_like(lm)
     valid[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    if position_ids is not None:  # a document starts where the position restarts
+        valid[:, :-1] &= position_ids[:, 1:] == position_ids[:, :-1] + 1
     return valid
 
 
-def max_valid_anchors(loss_mask_cpu: torch.Tensor) -> int:
-    """Largest per-row count of valid anchors in a `[B, S]` loss mask on the host (0 when empty).
+def max_valid_anchors(loss_mask_cpu: torch.Tensor, position_ids_cpu: torch.Tensor | None = None) -> int:
+    """Largest per-row count of valid anchors in a `[B, S]` loss mask on the host (0 when empty); packed rows
+    pass their `position_ids`.
 
     Reads the collator's CPU copy, before the copy to the device, so bounding the anchor width
     costs no device sync; a device tensor is refused.
@@ -41,7 +47,7 @@ def max_valid_anchors(loss_mask_cpu: torch.Tensor) -> int:
         raise ValueError("max_valid_anchors reads a host tensor; call it before the copy to the device")
     if loss_mask_cpu.numel() == 0:
         return 0
-    return int(valid_anchor_mask(loss_mask_cpu).sum(dim=1).max())
+    return int(valid_anchor_mask(loss_mask_cpu, position_ids_cpu).sum(dim=1).max())
 
 
 def has_valid_anchor(loss_mask: Sequence[int]) -> bool:
@@ -76,6 +82,7 @@ def sample_anchors(
     *,
     generator: torch.Generator | None = None,
     rows: GlobalRows | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` distinct valid anchors per row.
 
@@ -84,6 +91,7 @@ def sample_anchors(
         num_anchors: N, the fixed output width.
         generator: RNG on `loss_mask.device`; the trainer seeds it from (seed, step), alike on every rank.
         rows: this micro-batch's place in the global batch (`GlobalRows`); None: the rows alone.
+        position_ids: `[B, S]` of packed rows (restarting per document): no anchor's next token in another document.
 
     Returns:
         anchors: `LongTensor[B, N]`, ascending among kept slots; padded slots hold 0.
@@ -92,7 +100,7 @@ def sample_anchors(
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     bsz, seq_len = loss_mask.shape
-    valid = valid_anchor_mask(loss_mask)
+    valid = valid_anchor_mask(loss_mask, position_ids)
     if rows is None:
         scores = torch.rand(bsz, seq_len, generator=generator, device=loss_mask.device)
     else:
@@ -126,7 +134,7 @@ def anchor_widths(num_anchors: int, count: int) -> list[int]:
     return sorted({-(-num_anchors * k // count) for k in range(1, count + 1)})
 
 
-def bounded_width(loss_mask_cpu: torch.Tensor, widths: Sequence[int]) -> int:
+def bounded_width(loss_mask_cpu: torch.Tensor, widths: Sequence[int], position_ids_cpu: torch.Tensor | None = None) -> int:
     """The smallest of `widths` (ascending, the last one N) that holds every row's valid anchors.
 
     Runs on the collator's CPU copy before the host-to-device transfer, so it reads no device value.
@@ -135,7 +143,7 @@ def bounded_width(loss_mask_cpu: torch.Tensor, widths: Sequence[int]) -> int:
     """
     if loss_mask_cpu.device.type != "cpu":
         raise ValueError("bounded_width reads the batch on the host: pass the CPU loss_mask")
-    most = max_valid_anchors(loss_mask_cpu)
+    most = max_valid_anchors(loss_mask_cpu, position_ids_cpu)
     return next((w for w in widths if w >= most), widths[-1])
 
 

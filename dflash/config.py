@@ -7,7 +7,6 @@ unknown keys are rejected with the list of valid ones, values are converted to t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from dflash.config_checks import other_kind_error, section_error, target_layer_errors, unknown_key_hint, yaml_problem
 from dflash.kinds.settings import DFlash2Settings, DominoSettings, DSparkSettings
 from dflash.presets import embedded_preset
 
@@ -59,7 +59,7 @@ class DraftSettings:
     # the draft's own confidence, smoothed by dpace_alpha; DFlash drafts) or none (every slot weighs 1)
     position_weights: PositionWeights = "decay"
     dpace_alpha: float = 0.5
-    attention: Attention = "auto"  # auto: flex on GPU, sdpa on CPU
+    attention: Attention = "auto"  # auto: flex on GPU, sdpa on CPU (the draft; packed rows: the target too)
 
 
 @dataclass
@@ -85,6 +85,9 @@ class DataSettings:
     split: str = "train"
     max_length: int = 512  # tokens per conversation after the chat template (truncated)
     bucket_multiple: int = 64  # S is padded up to a multiple of this, so shapes repeat
+    # Packed rows (dflash.data.packing): each document attended, positioned and anchored on its own.
+    packing: bool = False  # lay rows end to end in sequences of pack_length tokens; batch_size counts sequences
+    pack_length: int | None = None  # tokens of a packed sequence (null: max_length); one shape
     eval_size: int = 64  # held-out conversations for held-out tau / per-position accuracy
     limit: int | None = None  # use at most this many conversations (before the held-out split)
     regenerate: bool = True  # replace replies by the target's own greedy replies (cached)
@@ -147,6 +150,9 @@ class TrainConfig:
     tensor_parallel: TensorParallelSettings = field(default_factory=TensorParallelSettings)
     seed: int = 0
     max_steps: int = 1000
+    # Passes over the training rows (null: max_steps decides): the step count follows the data's size; a max_steps
+    # changed from its default, or the time budget, stops sooner
+    num_epochs: float | None = None
     batch_size: int = 8  # rows per micro-batch (per rank)
     ce_chunk_size: int = 4096  # tokens per LM-head pass in the chunked CE
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -211,6 +217,7 @@ class TrainConfig:
             (self.optim.max_grad_norm > 0, "optim.max_grad_norm must be > 0"),
             (self.optim.grad_accum >= 1, "optim.grad_accum must be >= 1"),
             (self.max_steps >= 1, "max_steps must be >= 1"),
+            (self.num_epochs is None or self.num_epochs > 0, "num_epochs must be > 0 (or null: max_steps sets the steps)"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.ce_chunk_size >= 1, "ce_chunk_size must be >= 1"),
             (self.log_interval >= 1, "log_interval must be >= 1"),
@@ -240,12 +247,18 @@ class TrainConfig:
             (self.data.standalone_turns == 1 or (self.data.regenerate and self.data.regenerate_turns == 1),
              "data.standalone_turns > 1 asks user messages as single-turn prompts of the target: it needs "
              "data.regenerate=true and data.regenerate_turns=1"),
+            (self.data.pack_length is None or self.data.pack_length >= 2, "data.pack_length must be >= 2 (or null: max_length)"),
+            (not (self.data.packing and self.data.features), "data.packing does not apply to offline features "
+             "(data.features): their rows were written unpacked; set data.packing=false"),
+            (not (self.data.packing and self.tensor_parallel.size > 1), "data.packing with a tensor-parallel target "
+             "(tensor_parallel.size > 1) is not supported yet (its trunk runs whole rows): set data.packing=false"),
             (self.tensor_parallel.size >= 1, "tensor_parallel.size must be >= 1 (1: the target is not sharded)"),
             (self.tensor_parallel.size == 1 or not self.cuda_graph,
              "cuda_graph: true is not supported with tensor_parallel.size > 1 (an untested combination): set "
              "cuda_graph: false, or tensor_parallel.size: 1 for a target that fits one GPU"),
         ]
         errors = choice_errors(self) + [msg for ok, msg in checks if not ok]
+        errors += target_layer_errors(self.draft.target_layer_ids)
         if errors:
             raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
 
@@ -287,10 +300,11 @@ class TrainConfig:
         try:
             data = yaml.safe_load(Path(path).read_text()) if path else {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
+            raise ValueError(f"config file {path} is not valid YAML: {yaml_problem(e)}") from None
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
         pairs = list(flatten(data or {}))
+        from_file = len(pairs)
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
@@ -298,7 +312,7 @@ class TrainConfig:
             try:
                 pairs.append((key.strip(), yaml.safe_load(raw)))
             except yaml.YAMLError as e:
-                raise ValueError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
+                raise ValueError(f"override {item!r}: the value is not valid YAML ({yaml_problem(e)})") from None
         cfg = cls()
         for key, value in pairs:
             cfg.set(key, value)
@@ -311,7 +325,10 @@ class TrainConfig:
         for key, value in unset.items():
             if key not in given:
                 cfg.set(key, value)
-        cfg.validate()
+        cfg.validate()  # ranges first: a key out of range is named as such whichever kind reads it
+        source = "" if "draft.kind" in given else ", the embedded preset's," if "draft.kind" in unset else ", the default,"
+        if (error := other_kind_error(cfg, pairs[:from_file], pairs[from_file:], kind_source=source)) is not None:
+            raise ValueError(error)  # another kind's keys, which would be silently ignored
         return cfg
 
     def set(self, dotted: str, value: Any) -> None:
@@ -323,10 +340,13 @@ class TrainConfig:
             if part not in fields:
                 prefix = ".".join(parts[:i])
                 valid = ", ".join(sorted(_keys(obj, prefix)))
-                close = difflib.get_close_matches(dotted, _keys(self), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
+                hint = unknown_key_hint(dotted, _keys(self))
                 raise KeyError(f"unknown config key {dotted!r}{hint}; valid keys: {valid} (`dflash config` lists "
                                "every key with its default and meaning)")
+            if i == len(parts) - 1 and dataclasses.is_dataclass(getattr(obj, part)):  # a section: `draft: 2`
+                if value is None:  # `draft:` with every key commented out sets nothing
+                    return
+                raise ValueError(section_error(dotted, value, getattr(obj, part)))
             if i == len(parts) - 1:
                 hint = typing.get_type_hints(type(obj))[part]
                 setattr(obj, part, _convert(value, hint, dotted))
@@ -334,13 +354,6 @@ class TrainConfig:
                 obj = getattr(obj, part)
                 if not dataclasses.is_dataclass(obj):
                     raise KeyError(f"config key {'.'.join(parts[: i + 1])!r} has no sub-keys")
-
-
-def _yaml_problem(error: Exception) -> str:
-    """One line for a YAML error: what is wrong and where (PyYAML's own message spans several lines)."""
-    mark = getattr(error, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{getattr(error, 'problem', None) or error}{where}"
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

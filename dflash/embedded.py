@@ -74,7 +74,9 @@ def cache_slug(text: str, max_chars: int, *, keep_end: bool = False) -> str:
     a digit or ``-_.`` replaced by ``_``, cut to its first ``max_chars`` (its last with ``keep_end``,
     for names whose end tells them apart, like model paths). A hash next to it keeps names unique."""
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
-    return slug[-max_chars:] if keep_end else slug[:max_chars]
+    slug = slug[-max_chars:] if keep_end else slug[:max_chars]
+    # No leading dot or underscore: "./model" would give "._model...", a hidden file (macOS's AppleDouble form).
+    return slug.lstrip("._-") or "x"
 
 
 def _package_dir(package: str, install_hint: str) -> Path:

@@ -1,4 +1,4 @@
-"""One place that turns a `TrainConfig` into a draft and its objective, for DFlash and Domino drafts, and
+"""One place that turns a `TrainConfig` into a draft and its objective, for every draft kind, and
 the target they train against (replicated, sharded over a tensor-parallel group: `prepare_target`, or
 under `data.features` only its embedding and head: `offline_target`).
 
@@ -93,7 +93,7 @@ def _hf_model(target_model: Any) -> Any:
 
 
 def build_draft(config: TrainConfig, target_model: Any, tokenizer: Any) -> DFlashDraftModel:
-    """A freshly initialised draft (DFlash or Domino, by `draft.kind`) shaped for `target_model` (an HF
+    """A freshly initialised draft (of `draft.kind`) shaped for `target_model` (an HF
     causal LM, a `TensorParallelTarget`: its embedding is whole on every rank, or an `OfflineTarget`)."""
     if isinstance(target_model, OfflineTarget):
         hf_config, vocab_rows = target_model.text_config, target_model.vocab_size
@@ -189,7 +189,7 @@ def freeze_target(config: TrainConfig, target_model: Any, layer_ids: list[int]) 
         raise ValueError("tensor_parallel.size > 1 needs the target from dflash.factory.prepare_target (DFlashTrainer "
                          "does this); the transformers.Trainer path does not support tensor parallelism: set "
                          "tensor_parallel.size: 1 there")
-    return FrozenTarget(target_model, layer_ids)
+    return FrozenTarget(target_model, layer_ids, config.draft.attention)  # packed rows' mask as the draft's
 
 
 def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, device: torch.device,
@@ -207,7 +207,7 @@ def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, d
 
 def objective_for(config: TrainConfig, target: Target, draft: nn.Module, *, device: torch.device, dtype: torch.dtype,
                   draft_call: Callable[..., torch.Tensor] | None = None) -> DFlashObjective:
-    """The objective of `config.draft.kind` (DFlash or Domino, with the config's loss settings; its CE
+    """The objective of `config.draft.kind` (with the config's loss settings; its CE
     chunks compiled under `compile: true`) around an already frozen target (`freeze_target`, or a
     stand-in with the `Target` interface) and `draft` (a `DominoDraftModel` for `kind: domino`), run by
     `draft_call` (the draft wrapped for data parallelism and compilation; default: the draft itself)."""

@@ -5,6 +5,9 @@ clean anchor token) is never a target. Weight of a slot:
 
     w = keep * (a + k < S) * loss_mask[a + k] * exp(-(k - 1) / gamma)      (no decay factor when gamma is None)
 
+In a packed row (`position_ids` restarting at 0 for each document) "a + k < S" reads "a + k in a's document":
+a slot past its document's end is unsupervised exactly as a slot past an unpacked row's end.
+
 The loss is `sum(w * CE) / sum(w)` over the whole accumulation window (and, distributed, all ranks):
 the caller passes the denominator as a device tensor. Nothing here reads a device value.
 """
@@ -21,17 +24,27 @@ import torch.distributed as dist
 
 @dataclass
 class BlockTargets:
-    """Per-slot labels of N blocks of bs slots: all `[B, N, bs]`."""
+    """Per-slot labels of N blocks of bs slots: all `[B, N, bs]`; and the rows' document layout."""
 
     labels: torch.Tensor  # long, a safe index everywhere (0 where invalid)
     weights: torch.Tensor  # float32, zero where invalid and on slot 0
     valid: torch.Tensor  # bool: a supervised label exists (keep, inside S, loss_mask, slot >= 1)
+    # `[B, S]` positions of packed rows, restarting at 0 for each document (`dflash.data.packing`): the target's
+    # attention, the draft's positions and its context end at the document's edges. None: one document a row.
+    position_ids: torch.Tensor | None = None
 
 
-def block_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions `a + k` of every slot, clamped to a safe index, and whether they lie inside S. `[B, N, bs]`."""
-    pos = anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
-    return pos.clamp(max=seq_len - 1), pos < seq_len
+def block_positions(anchors: torch.Tensor, block_size: int, seq_len: int,
+                    position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions `a + k` of every slot, clamped to a safe index, and whether they lie inside S (and, with packed
+    rows' `position_ids` `[B, S]`, inside the anchor's document). `[B, N, bs]`."""
+    slots = torch.arange(block_size, device=anchors.device)
+    pos = anchors.unsqueeze(-1) + slots
+    safe, inside = pos.clamp(max=seq_len - 1), pos < seq_len
+    if position_ids is not None:  # the same document: its positions run on without a restart
+        at = torch.gather(position_ids, 1, safe.flatten(1)).view_as(safe)
+        inside = inside & (at == at[..., :1] + slots)
+    return safe, inside
 
 
 def block_labels(label_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -71,21 +84,23 @@ def block_targets(
     keep: torch.Tensor,
     block_size: int,
     gamma: float | None,
+    position_ids: torch.Tensor | None = None,
 ) -> BlockTargets:
     """Labels, weights and validity for blocks anchored at `anchors` `[B, N]` in `input_ids` `[B, S]`;
-    `gamma` None: no position decay (weight 1 on every supervised slot).
+    `gamma` None: no position decay (weight 1 on every supervised slot); `position_ids` `[B, S]`: packed rows.
 
     Weights and validity depend only on positions and `loss_mask`, never on label values, so the
     trainer can form the loss denominator before any forward pass.
     """
-    safe, inside = block_positions(anchors, block_size, input_ids.shape[1])
+    safe, inside = block_positions(anchors, block_size, input_ids.shape[1], position_ids)
     slots = torch.arange(block_size, device=input_ids.device)
     supervised = torch.gather(loss_mask.bool(), 1, safe.flatten(1)).view_as(safe)
     valid = keep.unsqueeze(-1) & inside & supervised & (slots > 0)
     weights = valid.float()
     if gamma is not None:
         weights = weights * torch.exp(-(slots.float() - 1).clamp(min=0) / gamma)
-    return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=weights, valid=valid)
+    return BlockTargets(labels=block_labels(input_ids, anchors, valid), weights=weights, valid=valid,
+                        position_ids=position_ids)
 
 
 def window_loss_scale(targets: Sequence[BlockTargets], world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

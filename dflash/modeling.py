@@ -167,7 +167,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @functools.cache
-def _flex_attention():
+def compiled_flex_attention():
     """flex_attention compiled once: eager flex materializes the whole score matrix (slow, large)."""
     return torch.compile(flex_attention, dynamic=False)
 
@@ -227,7 +227,7 @@ class DraftAttention(nn.Module):
         if isinstance(mask, torch.Tensor) or mask is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:  # flex-attention BlockMask (GPU)
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+            out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 

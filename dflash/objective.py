@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dflash.anchors import GlobalRows, sample_anchors
-from dflash.attention import dense_dflash_mask, flex_dflash_mask
+from dflash.attention import dense_dflash_mask, document_starts, flex_dflash_mask
 from dflash.losses import (
     BlockTargets,
     accepted_prefix_length,
@@ -38,7 +38,7 @@ class BlockOutput:
 
     loss_sum: torch.Tensor  # [] fp32, sum of weighted CE (Domino: the lambda mix)
     ce_sum: torch.Tensor  # [] weighted CE of the final logits, for the reported loss
-    correct: torch.Tensor  # [B, N, bs-1] bool: argmax == label, slots 1..bs-1
+    correct: torch.Tensor  # [B, N, P] bool: argmax == label of the P scored slots (bs - 1; DSpark: bs)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # variant metric sums (Domino)
 
 
@@ -92,34 +92,48 @@ class DFlashObjective(nn.Module):
     # ---- blocks ---------------------------------------------------------------------------
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
-             num_anchors: int | None = None, rows: GlobalRows | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+             num_anchors: int | None = None, rows: GlobalRows | None = None,
+             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
         """Anchors `[B, N]`, keep `[B, N]` and block targets for one micro-batch (no forward pass).
         `num_anchors` overrides the training width N (evaluation scores every valid position); `rows`: the
-        micro-batch's place in the batch of all ranks (`anchors.GlobalRows`)."""
-        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows)
-        return anchors, keep, block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma)
+        micro-batch's place in the batch of all ranks (`anchors.GlobalRows`); `position_ids` `[B, S]`: packed
+        rows' positions, restarting per document (the targets carry them to the forward)."""
+        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows,
+                                       position_ids=position_ids)
+        return anchors, keep, block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma,
+                                            position_ids)
 
-    def mask(self, anchors: torch.Tensor, keep: torch.Tensor, seq_len: int) -> Any:
+    def mask(self, anchors: torch.Tensor, keep: torch.Tensor, seq_len: int,
+             position_ids: torch.Tensor | None = None) -> Any:
+        """The draft's attention mask (`dflash.attention`); a packed row's block sees its own document only."""
+        starts = None if position_ids is None else document_starts(anchors, position_ids)
         if self.attention == "flex":
-            return flex_dflash_mask(anchors, keep, seq_len, self.block_size)
-        return dense_dflash_mask(anchors, keep, seq_len, self.block_size)
+            return flex_dflash_mask(anchors, keep, seq_len, self.block_size, starts)
+        return dense_dflash_mask(anchors, keep, seq_len, self.block_size, starts)
 
-    def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block token ids and positions, both `[B, N*bs]`: slot 0 = token at the anchor, then mask tokens."""
+    def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor,
+                     position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block token ids and positions, both `[B, N*bs]`: slot 0 = token at the anchor, then mask tokens;
+        slot k at the anchor's position + k (in a packed row its position in its document)."""
         slots = torch.arange(self.block_size, device=input_ids.device)
         first = torch.gather(input_ids, 1, anchors).unsqueeze(-1)  # [B, N, 1]
         ids = torch.where(slots == 0, first, self.draft.config.mask_token_id)
-        return ids.flatten(1), (anchors.unsqueeze(-1) + slots).flatten(1)
+        start = anchors if position_ids is None else torch.gather(position_ids, 1, anchors)
+        return ids.flatten(1), (start.unsqueeze(-1) + slots).flatten(1)
 
     def target_outputs(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
-                       labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       labels: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's features `[B, S, K*H]` (no grad) and, under `labels: target`, its greedy next tokens
         `[B, S]` (else None): the batch's own when it brings them (offline features, `dflash.data.feature_data`:
-        `features`, and `labels` written by the same target), else computed by running the frozen target."""
+        `features`, and `labels` written by the same target), else computed by running the frozen target
+        (packed rows: `position_ids`, each document on its own)."""
         if features is None:
+            # Packed rows only: a target of whole rows (a stand-in, a test's) is called as before.
+            packed = {} if position_ids is None else {"position_ids": position_ids}
             if self.labels == "target":
-                return self.target.features_and_greedy(input_ids)
-            return self.target(input_ids), None
+                return self.target.features_and_greedy(input_ids, **packed)
+            return self.target(input_ids, **packed), None
         if self.labels != "target":
             return features, None
         if labels is None:  # a host-side check on the batch's keys: no device read
@@ -133,13 +147,15 @@ class DFlashObjective(nn.Module):
         """Draft states `[B, N, bs, H]` of every block and the labels `[B, N, bs]` they are scored on;
         `features` / `labels`: offline target outputs (`target_outputs`)."""
         bsz, seq_len = input_ids.shape
+        position_ids = targets.position_ids  # packed rows' documents (None: one a row)
         with torch.autocast(input_ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            features, greedy = self.target_outputs(input_ids, features, labels)
+            features, greedy = self.target_outputs(input_ids, features, labels, position_ids)
             # Under labels: target the draft learns the target's greedy next token at each position.
             block = targets.labels if greedy is None else block_labels(greedy, anchors, targets.valid)
-            block_ids, positions = self.block_inputs(input_ids, anchors)
-            hidden = self.draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
-                                      target_hidden=features)  # [B, N*bs, H]
+            block_ids, positions = self.block_inputs(input_ids, anchors, position_ids)
+            hidden = self.draft_call(self.target.embed(block_ids), positions,
+                                     self.mask(anchors, keep, seq_len, position_ids), target_hidden=features,
+                                     ctx_position_ids=position_ids)  # [B, N*bs, H]
         return hidden.view(bsz, anchors.shape[1], self.block_size, -1), block
 
     def forward(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, targets: BlockTargets,

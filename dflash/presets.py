@@ -100,6 +100,9 @@ EMBEDDED_GPU: dict[str, Any] = {
 LINKED: tuple[frozenset[str], ...] = (
     frozenset({"data.regenerate", "data.regenerate_turns", "data.standalone_turns"}),
     frozenset({"distributed", "optim.optimizer"}),  # the CPU preset's Muon would refuse a user's distributed=fsdp2
+    # A user's num_epochs sets the step count: the preset's max_steps must not cut the passes short (its time budget,
+    # which keeps the README line's minutes, still applies)
+    frozenset({"max_steps", "num_epochs"}),
 )
 
 

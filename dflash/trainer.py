@@ -27,7 +27,7 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import Corpus, check_corpus, training_data
 from dflash.data.feature_data import FeatureCollator, batch_collator
-from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches, padding_of
+from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches, padding_of, training_rows
 from dflash.embedded import cache_root
 from dflash.evaluation.evaluate import held_out_speculative_eval
 from dflash.evaluation.export import export_draft, load_exported
@@ -44,6 +44,7 @@ from dflash.report.sinks import Reporter, history_record, progress_postfix, trai
 from dflash.run.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
 from dflash.run.compiling import ShapeLog, batch_shape, compile_draft_call, keep_compile_cache
 from dflash.run.data_parallel import DataParallelDraft
+from dflash.run.ending import finish_unless_stopped
 from dflash.run.folder import RunFolder
 from dflash.run.graphs import Capture, StepGraphs, step_graphs
 from dflash.run.overfitting import HeldOutPeak
@@ -56,12 +57,13 @@ from dflash.run.state import (
     full_draft_state,
     full_optimizer_state,
     load_draft_state,
+    load_init_from,
     load_optimizer_state,
     restore_rng,
     resume_record,
     rng_state,
 )
-from dflash.run.stopping import NonFiniteError, NonFiniteWatch, StopRequest
+from dflash.run.stopping import NonFiniteError, NonFiniteWatch, StopRequest, apply_num_epochs
 from dflash.runtime import DTYPES, check_run_settings, init_distributed, peak_memory_bytes, resolve_device, resolve_dtype
 from dflash.target.frozen import Target
 
@@ -103,7 +105,7 @@ class DFlashTrainer:
         self.draft_config = self.draft.config
         self.block_size = self.draft_config.block_size
         if config.init_from:  # warm start from an exported draft: weights only, a fresh run otherwise
-            self.draft.load_state_dict(load_exported(config.init_from, device=self.device).state_dict())
+            load_init_from(self.draft, load_exported(config.init_from, device=self.device), config.init_from)
         if config.fp8:  # before wrapping and compiling: they see the Float8Linear modules
             log.info("fp8: float8 GEMMs in %d linear layers of the draft", len(convert_to_fp8(self.draft)))
         # What the objective calls to run the draft across ranks (DDP or FSDP2; either way only the last
@@ -175,7 +177,8 @@ class DFlashTrainer:
             generator = (reseed_anchors(self.anchor_generator, self.config.seed, 0, self.step * len(micro) + i)
                          if reseed else self.anchor_generator)
             rows = GlobalRows.of_rank(self.rank, self.world_size, *mb["input_ids"].shape, self.config.data.max_length)
-            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator, mb.get("num_anchors"), rows))
+            plans.append(self.objective.plan(mb["input_ids"], mb["loss_mask"], generator, mb.get("num_anchors"), rows,
+                                             mb.get("position_ids")))  # packed rows' documents (data.packing)
         scale, total_weight = window_loss_scale([t for _, _, t in plans], self.world_size)
 
         # 2) Forward/backward per micro-batch; the loss of each is its share of the global mean.
@@ -277,7 +280,7 @@ class DFlashTrainer:
     def resume(self, path: str | Path) -> None:
         """Continue from checkpoint `path`; refused when a run-defining setting differs, every accepted change
         logged (`dflash.run.state`). `fit` then checks the training data against the fingerprint saved with it."""
-        draft_state, _, state = load_checkpoint(path, self.device)  # weights_only: no code runs
+        draft_state, _, state = load_checkpoint(path, self.device, self.draft)  # header checked first; weights_only
         check_resume_config(path, state.get("config", {}), self.config.to_dict())
         check_loaded_state(path, self.draft, draft_state, state.get("optimizer", {}))  # before anything is loaded
         load_draft_state(self.draft, draft_state)
@@ -299,7 +302,8 @@ class DFlashTrainer:
         """Endless training batches on the device, continuing from `data_position`."""
         return device_batches(dataset, self.config.batch_size * self.config.optim.grad_accum, self._collator(),
                               self.device, self.data_position, seed=self.config.seed,
-                              num_workers=self.config.data.num_workers, rank=self.rank, world_size=self.world_size)
+                              num_workers=self.config.data.num_workers, rank=self.rank, world_size=self.world_size,
+                              micro_batches=self.config.optim.grad_accum)
 
     def fit(self) -> dict[str, Any]:
         """Train to `max_steps`: log at `log_interval`, evaluate at `eval_interval`, save at `save_interval`.
@@ -309,8 +313,8 @@ class DFlashTrainer:
         folder is claimed and locked first (`dflash.run.folder`); a damaged newest checkpoint is passed over, and
         what this run's interrupted saves left is removed."""
         cfg = self.config
-        start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
-                     attention=resolve_attention(cfg.draft.attention, self.device))  # progress bars; rank 0's banner
+        self.phases = start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
+                                   attention=resolve_attention(cfg.draft.attention, self.device))  # bars, banner, clock
         with RunFolder(cfg.output_dir, resume_from=cfg.resume_from, overwrite=cfg.overwrite_output_dir,
                        rank=self.rank, world_size=self.world_size) as run_dir:
             return self._fit(run_dir)
@@ -320,13 +324,15 @@ class DFlashTrainer:
         cfg = self.config
         if (resume := resolve_resume(cfg.resume_from, run_dir)) is not None:  # `latest`: the newest intact one
             self.resume(resume)
-        with quiet_datasets():  # dflash's own bars and log lines tell the data preparation
+        with quiet_datasets(), self.phases("data_preparation"):  # dflash's own bars and log lines tell it
             corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target,
                                    rank=self.rank, world_size=self.world_size)
         self.held_out_conversations = corpus.held_out_conversations
         self.held_out_peak.train_rows = len(corpus.train)  # epochs in its warning
         check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
         self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
+        corpus.train = training_rows(corpus.train, cfg.data)  # data.packing: the rows as packed sequences
+        apply_num_epochs(self, len(corpus.train))  # num_epochs: max_steps and the schedules from the rows
         padding = padding_of(corpus.train, cfg.batch_size * cfg.optim.grad_accum, self._collator(), seed=cfg.seed)
         if padding is not None and self.rank == 0:  # what every step pays for its buckets, known before the first
             log.info(padding.describe())
@@ -336,7 +342,7 @@ class DFlashTrainer:
         stop = StopRequest(cfg.time_budget_minutes, self.world_size, self.device)  # signals, time budget
         watch = NonFiniteWatch(self.nonfinite_run, cfg.max_nonfinite_skips, every_step=self.world_size == 1)
         try:
-            last = self._train(corpus, reporter, stop, watch)
+            last = self.phases.timed("training", self._train, corpus, reporter, stop, watch)
             # The last step is saved once: not again when it was just saved, or resumed with no step left.
             checkpoint = checkpoint_path(run_dir, self.step) if self.saved_step == self.step else self.save()
         finally:
@@ -347,24 +353,23 @@ class DFlashTrainer:
             reporter.close()
             if watch.tripped:
                 raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
-            log.info("stopped by signal %s at step %d; saved %s", stop.signal, self.step, checkpoint)
-            return write_summary(run_dir, {**summary, "interrupted": True, "signal": stop.signal}, enabled=self.rank == 0)
-        return self._finish(run_dir, corpus, reporter, summary)
+            return write_summary(run_dir, summary, enabled=self.rank == 0, timer=self.phases, stopped_by=stop.signal)
+        return finish_unless_stopped(lambda: self._finish(run_dir, corpus, reporter, summary), run_dir, summary, reporter)
 
     def _train(self, corpus: Corpus, reporter: Reporter, stop: StopRequest, watch: NonFiniteWatch) -> dict[str, Any]:
         """The loop to `max_steps` (or a stop): log, evaluate and save at their intervals. Returns the last
         full log window's metrics (the run's training summary; a shorter window is logged, marked)."""
         cfg, eval_ds = self.config, corpus.eval
         batches = self._device_batches(corpus.train)
-        progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step",
-                               enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it
+        progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step", deadline=stop.deadline,
+                               enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it; ETA in budget
         window_start, window_tokens, last_flush_step = time.perf_counter(), 0, self.step
         try:
             # next_batch is None when the DataLoader workers ended with a stop request
             while (self.step < cfg.max_steps and not stop.due(self.step, at_flush=last_flush_step == self.step)
                    and (batch := stop.next_batch(batches)) is not None):
                 window_tokens += batch["input_ids"].numel()  # a host-known shape, not a device read
-                self.train_step(batch)
+                self.phases.first("first_step", self.train_step, batch)  # compilation included
                 progress.update(1)
                 watch.poll()  # one process: the device's consecutive-skip count, read as it lands (no wait)
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps or watch.tripped:
@@ -400,19 +405,20 @@ class DFlashTrainer:
         """The end of a completed run: held-out metrics, the export, speculative decoding, RUN/summary.json."""
         cfg = self.config
         if corpus.eval is not None:
-            summary["held_out"] = self._held_out(corpus.eval, reporter)
+            summary["held_out"] = self.phases.timed("held_out_eval", self._held_out, corpus.eval, reporter)
             summary["held_out_peak"] = self.held_out_peak.summary()
         spec_eval = bool(cfg.spec_eval_prompts and self.held_out_conversations)
         # One full draft for export and speculative decoding (FSDP2: gathered to rank 0 by every rank).
         final_draft = self.consolidated_draft() if cfg.export_on_finish or spec_eval else None
         if cfg.export_on_finish and self.rank == 0:
-            summary["export"] = str(export_draft(final_draft, run_dir / "export", target=cfg.target,
-                                                 held_out=corpus.held_out_split))
-        if spec_eval and (report := self.speculative_eval(self.held_out_conversations, draft=final_draft)) is not None:
+            summary["export"] = str(self.phases.timed("export", export_draft, final_draft, run_dir / "export",
+                                                      target=cfg.target, held_out=corpus.held_out_split))
+        if spec_eval and (report := self.phases.timed("speculative_eval", self.speculative_eval,
+                                                      self.held_out_conversations, draft=final_draft)) is not None:
             summary["speculative"] = report  # rank 0 (under tensor_parallel its TP group decoded with it)
             (run_dir / "export" / "eval.json").write_text(json.dumps(report, indent=2))
         reporter.close()
-        return write_summary(run_dir, summary, enabled=self.rank == 0)  # RUN/summary.json: the whole summary
+        return write_summary(run_dir, summary, enabled=self.rank == 0, timer=self.phases)  # RUN/summary.json
 
     def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None, *,
                          draft: torch.nn.Module | None = None) -> dict[str, Any] | None:

@@ -20,7 +20,10 @@ its share of the data; instead of stopping at the first sync (which would leave 
 waiting in a collective), every rank counts its syncs (dispatch findings + CUDA sync-debug warnings)
 and rank 0 prints the total over ranks. Part 2 (the CUDA graph) is single-process only.
 
-    python scripts/check_sync_free.py [--kind domino|dflash2|dspark] [--optimizer muon]
+`--packing`: rows of varied lengths packed into sequences of the same length (`data.packing`): the target's
+document mask, per-document anchors and the draft's per-document context in the same checks.
+
+    python scripts/check_sync_free.py [--kind domino|dflash2|dspark] [--optimizer muon] [--packing]
     torchrun --nproc_per_node 2 scripts/check_sync_free.py --distributed fsdp2
 """
 
@@ -40,7 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import Distributed, TrainConfig  # noqa: E402
-from dflash.data.loader import Collator, DevicePrefetcher, make_dataloader  # noqa: E402
+from dflash.data.loader import Collator, DevicePrefetcher, make_dataloader, training_rows  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
@@ -60,7 +63,7 @@ def tiny_llama(cuda: bool):
 
 
 def config(cuda: bool, device: torch.device | None = None, kind: str = "dflash", optimizer: str = "adamw",
-           **kw) -> TrainConfig:
+           packing: bool = False, **kw) -> TrainConfig:
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
     cfg = TrainConfig(device=str(device), max_steps=1000, batch_size=8 if cuda else 2, log_interval=10**9, **kw)
     cfg.draft.kind, cfg.draft.num_layers, cfg.draft.block_size = kind, 2, 16 if cuda else 4
@@ -69,15 +72,20 @@ def config(cuda: bool, device: torch.device | None = None, kind: str = "dflash",
     cfg.draft.num_anchors = 64 if cuda else 8
     cfg.draft.mask_token_id = 0
     cfg.optim.grad_accum, cfg.optim.optimizer = 2, optimizer
+    cfg.data.packing, cfg.data.max_length = packing, 512 if cuda else 64
     return cfg
 
 
-def rows(n: int, seq: int, vocab: int, prompt: int, seed: int = 0) -> list[dict[str, list[int]]]:
+def rows(n: int, seq: int, vocab: int, prompt: int, seed: int = 0, packing: bool = False) -> list[dict[str, list[int]]]:
+    """`n` rows of `seq` tokens, the first `prompt` unsupervised; packing: of 1/8 to 1/2 of `seq` tokens each
+    (the prompt a quarter), so each packed sequence holds several documents."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(1, vocab, (seq,), generator=g).tolist()
-        out.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (seq - prompt)})
+        length = int(torch.randint(seq // 8, seq // 2 + 1, (), generator=g)) if packing else seq
+        start = length // 4 if packing else prompt
+        ids = torch.randint(1, vocab, (length,), generator=g).tolist()
+        out.append({"input_ids": ids, "loss_mask": [0] * start + [1] * (length - start)})
     return out
 
 
@@ -95,20 +103,21 @@ def detector_name(attention: str, aten_checks: bool, cuda: bool) -> str:
 
 def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = None, distributed: str = "ddp",
                     rank: int = 0, world: int = 1, attention: str = "auto", aten_checks: bool = True,
-                    kind: str = "dflash", optimizer: str = "adamw") -> tuple[int, int]:
+                    kind: str = "dflash", optimizer: str = "adamw", packing: bool = False) -> tuple[int, int]:
     """Run `steps` non-log steps from the real loader inside forbid_syncs; return (steps done, syncs).
 
     One process: the first sync raises. Several: each sync is counted (so every rank reaches the
     end and its collectives) and reported on stderr with the rank.
     """
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
-    cfg = config(cuda, device, kind, optimizer, distributed=distributed)
+    cfg = config(cuda, device, kind, optimizer, packing, distributed=distributed)
     cfg.draft.attention = attention
     trainer = DFlashTrainer(cfg, target=tiny_llama(cuda), tokenizer=None)
     seq, vocab = (512, 49_152) if cuda else (64, 256)
-    data = rows(64 * world, seq, vocab, prompt=seq // 4)
-    loader = make_dataloader(data, trainer.config.batch_size * 2, Collator(0, 64, seq), num_workers=2, rank=rank,
-                             world_size=world)
+    data = training_rows(rows(64 * world * (3 if packing else 1), seq, vocab, prompt=seq // 4, packing=packing), cfg.data)
+    collator = Collator.for_tokenizer(None, cfg.data) if packing else Collator(0, 64, seq)
+    loader = make_dataloader(data, trainer.config.batch_size * 2, collator, num_workers=2, rank=rank,
+                             world_size=world, micro_batches=2)
     batches = iter(DevicePrefetcher(loader, device))
     # Two steps outside the region: lazy allocations, kernel autotuning, caches; and DDP's one-time
     # gradient-bucket rebuild, which exchanges bucket indices through the host (pageable copies both
@@ -143,16 +152,22 @@ def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = Non
     return done, len(report.findings) + len(cuda_syncs)
 
 
-def graph_vs_eager(steps: int, kind: str = "dflash", optimizer: str = "adamw") -> tuple[float, list[float], list[float]]:
+def graph_vs_eager(steps: int, kind: str = "dflash", optimizer: str = "adamw",
+                   packing: bool = False) -> tuple[float, list[float], list[float]]:
     """Max relative loss difference between CUDA-graph replays and eager steps (same weights, anchors)."""
     seq = 512
-    data = rows(16, seq, 49_152, prompt=seq - 40)  # 39 valid anchors per row < N = 64: anchors are fixed
-    batch = Collator(0, 64, seq)(data[:16])
+    if packing:  # 5 documents of 102 tokens, 2 supervised each: 5 valid anchors per packed row < N = 64
+        data = [{"input_ids": r["input_ids"][:102], "loss_mask": [0] * 100 + [1, 1]} for r in rows(80, seq, 49_152, 0)]
+        data = list(training_rows(data, config(True, packing=True).data))
+        batch = Collator(0, seq, seq)(data[:16])
+    else:
+        data = rows(16, seq, 49_152, prompt=seq - 40)  # 39 valid anchors per row < N = 64: anchors are fixed
+        batch = Collator(0, 64, seq)(data[:16])
     batch = {k: v.cuda() for k, v in batch.items()}
     target = tiny_llama(True)
-    eager = DFlashTrainer(config(True, kind=kind, optimizer=optimizer), target=target, tokenizer=None)
-    graph = DFlashTrainer(config(True, kind=kind, optimizer=optimizer, cuda_graph=True), target=target, tokenizer=None,
-                          draft=None)
+    eager = DFlashTrainer(config(True, kind=kind, optimizer=optimizer, packing=packing), target=target, tokenizer=None)
+    graph = DFlashTrainer(config(True, kind=kind, optimizer=optimizer, packing=packing, cuda_graph=True), target=target,
+                          tokenizer=None, draft=None)
     graph.draft.load_state_dict(eager.draft.state_dict())
     losses = {"eager": [], "graph": []}
     for _ in range(steps):
@@ -173,9 +188,11 @@ def main() -> int:
     p.add_argument("--kind", choices=["dflash", "domino", "dflash2", "dspark"], default="dflash",
                    help="draft kind (domino: the default Domino head, GRU 1024 and emb_dim 256 on a GPU)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="optim.optimizer of the step")
+    p.add_argument("--packing", action="store_true", help="packed rows (data.packing)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
-    label = args.kind if args.optimizer == "adamw" else f"{args.kind}, {args.optimizer}"
+    label = ", ".join([args.kind] + ([args.optimizer] if args.optimizer != "adamw" else [])
+                      + (["packed"] if args.packing else []))
     rank, world = init_distributed()  # (0, 1) in a single process
     passes = detector_passes(cuda)
     if world > 1:
@@ -184,7 +201,7 @@ def main() -> int:
         for attention, aten_checks in passes:
             done, syncs = sync_free_steps(cuda, args.steps, device=device, distributed=args.distributed, rank=rank,
                                           world=world, attention=attention, aten_checks=aten_checks, kind=args.kind,
-                                          optimizer=args.optimizer)
+                                          optimizer=args.optimizer, packing=args.packing)
             counts = [None] * world
             dist.all_gather_object(counts, syncs)
             per_rank = [a + b for a, b in zip(per_rank, counts, strict=True)]
@@ -198,12 +215,12 @@ def main() -> int:
         return 0 if sum(per_rank) == 0 else 1
     for attention, aten_checks in passes:  # the first sync raises
         done, _ = sync_free_steps(cuda, args.steps, attention=attention, aten_checks=aten_checks, kind=args.kind,
-                                  optimizer=args.optimizer)
+                                  optimizer=args.optimizer, packing=args.packing)
     names = "; ".join(detector_name(a, c, cuda) for a, c in passes)
     summary = f"check_sync_free ({label}): 0 syncs in {done} non-log steps per pass ({names})"
     ok = True
     if cuda:
-        worst, eager, graph = graph_vs_eager(args.graph_steps, args.kind, args.optimizer)
+        worst, eager, graph = graph_vs_eager(args.graph_steps, args.kind, args.optimizer, args.packing)
         ok = worst <= args.tolerance and eager[-1] < eager[0]
         print("eager losses:", [round(x, 4) for x in eager])
         print("graph losses:", [round(x, 4) for x in graph])

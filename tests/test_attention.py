@@ -139,3 +139,39 @@ def test_flex_matches_dense_forward(seed):
         flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
     torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq_len, tile", [(100, 16), (61, 8), (300, 128)])
+def test_packed_rows_block_mask_equals_create_block_mask(seq_len, tile):
+    """Packed rows: a block's context starts at its document's first position (`document_starts`); the target's
+    document-causal mask (`flex_document_mask`) also equals `create_block_mask`'s tiles of its rule."""
+    from dflash.attention import document_mask_mod, document_starts, flex_document_mask
+
+    g = torch.Generator().manual_seed(seq_len)
+    bsz, n, bs = 2, 9, 4
+    ends = torch.sort(torch.randint(1, seq_len, (bsz, 3), generator=g), dim=1).values  # up to 4 documents a row
+    index = torch.arange(seq_len)
+    starts_of = torch.zeros(bsz, seq_len, dtype=torch.long)
+    for b in range(bsz):
+        for end in ends[b].tolist():
+            starts_of[b, end:] = end
+    positions = index - starts_of
+    anchors = torch.sort(torch.randint(0, seq_len, (bsz, n), generator=g), dim=1).values
+    keep = torch.rand(bsz, n, generator=g) > 0.2
+    starts = document_starts(anchors, positions)
+    assert torch.equal(starts, starts_of.gather(1, anchors))
+    ref = create_block_mask(dflash_mask_mod(anchors, keep, seq_len, bs, starts), B=bsz, H=None, Q_LEN=n * bs,
+                            KV_LEN=seq_len + n * bs, device="cpu", BLOCK_SIZE=tile)
+    got = flex_dflash_mask(anchors, keep, seq_len, bs, starts, tile=tile)
+    for name in BLOCK_MASK_FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=0, atol=0, msg=name)
+    dense = dense_dflash_mask(anchors, keep, seq_len, bs, starts)
+    for b, j in [(0, 3), (1, 7)]:  # context [start, a) of a kept block; nothing of another document
+        row = dense[b, 0, j * bs, :seq_len]
+        expected = (index >= starts[b, j]) & (index < anchors[b, j]) & keep[b, j]
+        assert torch.equal(row, expected)
+    ref = create_block_mask(document_mask_mod(positions), B=bsz, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device="cpu",
+                            BLOCK_SIZE=tile)
+    got = flex_document_mask(positions, tile=tile)
+    for name in BLOCK_MASK_FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=0, atol=0, msg=name)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -16,6 +17,7 @@ from dflash.config import TrainConfig
 from dflash.data.corpus import training_data
 from dflash.evaluation.evaluate import eval_conversations
 from dflash.factory import build_draft
+from dflash.optim import lr_at
 from dflash.report.sinks import read_history
 from dflash.runtime import shutdown_distributed
 
@@ -158,6 +160,20 @@ def test_dry_run_counts_the_parameters_the_trainer_builds(tiny_target_dir, kind)
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     built = sum(p.numel() for p in build_draft(config, target, None).parameters())
     assert plan(config)["draft_parameters"] == built
+
+
+@pytest.mark.parametrize("target", ["/no/such/model", "no-such-org/no-such-model"])
+def test_the_dry_run_refuses_a_missing_or_offline_target_as_the_run_does(target, conversations_file, tmp_path, capsys):
+    """Issue 53: the dry run exited 4 ("output not writable") with the hub's raw repo-id text where the run
+    exited 2 with one line; both now take the runtime's loaders, so the code and the line are the run's."""
+    said = {}
+    for mode, extra in (("run", ["max_steps=1"]), ("dry run", ["--dry-run"])):
+        assert main(_args(target, conversations_file, tmp_path / mode, *extra)) == 2, mode
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("dflash train: error: ")]
+        assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+        said[mode] = lines[0]
+    assert said["dry run"] == said["run"] and f"target={target}" in said["run"]
 
 
 def test_train_writes_metrics_checkpoint_export_and_resumes(tiny_target_dir, conversations_file, tmp_path, capsys):
@@ -503,3 +519,28 @@ def test_a_choice_outside_its_literal_type_is_refused_when_set_and_when_assigned
     setattr(getattr(cfg, section) if section else cfg, name, bad)
     with pytest.raises(ValueError, match=f"{key} must be one of .* \\(got '{bad}'\\)"):
         cfg.validate()
+
+
+def test_num_epochs_trains_whole_passes_of_the_default_data_and_the_schedule_ends_with_them(tiny_target_dir, tmp_path,
+                                                                                          capsys):
+    """`dflash train num_epochs=1` on chitchat (the default data; issue 53): no epochs key existed. The run takes one
+    pass of full batches (counted from the training rows, built here as the run builds them), and the lr's cosine,
+    built from max_steps before the data was known, ends with it."""
+    out = tmp_path / "run"
+    args = _args(tiny_target_dir, "chitchat", out, "num_epochs=1", "data.limit=60", "spec_eval_prompts=0",
+                 "export_on_finish=false")
+    assert main(args) == 0, capsys.readouterr().err[-2000:]
+    err = capsys.readouterr().err
+    config = TrainConfig.from_sources(None, args[1:])
+    rows = len(training_data(None, config.data, AutoTokenizer.from_pretrained(tiny_target_dir),
+                             AutoModelForCausalLM.from_pretrained(tiny_target_dir), config.target).train)
+    steps = rows // config.batch_size
+    assert 5 <= steps < TrainConfig.max_steps
+    assert f"num_epochs=1: {steps} steps ({rows} training rows: {steps} full batches of 4 rows an epoch)" in err
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    assert TrainConfig.from_sources(out / "config.yaml", []).max_steps == steps  # the resolved count is recorded
+    windows = [r for r in read_history(out) if "lr" in r]  # each window's mean lr, the first step's included
+    assert windows[-1]["step"] == steps
+    for start, window in zip([0] + [w["step"] for w in windows], windows, strict=False):
+        used = [lr_at(torch.tensor(float(k)), config.optim, steps).item() for k in range(start, window["step"])]
+        assert window["lr"] == pytest.approx(sum(used) / len(used), rel=1e-5), window  # lr of step k + 1

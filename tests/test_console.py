@@ -141,3 +141,51 @@ def test_launch_banner_and_summary_table(monkeypatch):
     past = console.summary_table({"steps": 9000, "held_out_peak": {**peak, "past_peak_warning": True}})
     assert past.splitlines()[1] == "held-out peak  chain tau 3.643 at step 3500, past it since; 27.7 epochs in all"
     assert "peak" not in console.summary_table({"steps": 3000, "held_out_peak": {**peak, "past_peak_warning": False}})
+
+
+def test_the_training_bars_eta_is_the_sooner_of_the_steps_end_and_the_time_budgets(monkeypatch):
+    """Issue 53: the bar showed tqdm's ETA, from the steps alone (37 min for a run its 1.5-min budget ended). Given
+    the budget's deadline it shows the sooner end, the budget's marked, at the rate since the first (compiling) step."""
+    import functools
+    import io
+
+    from tqdm.std import tqdm as std_tqdm
+
+    out = io.StringIO()
+    monkeypatch.setattr(console, "tqdm", functools.partial(std_tqdm, file=out, mininterval=0, miniters=1))
+    monkeypatch.delenv("RANK", raising=False)
+    console.set_progress_bars(True)
+    now = [0.0]
+
+    def bar(total):
+        made = console.ProgressBar(total, desc="dflash train", unit="step", deadline=90.0)  # 1.5 min from 0
+        made.clock = lambda: now[0]
+        return made
+
+    slow = bar(1000)
+    now[0] = 10.0  # the first step compiles for 10 s: no rate yet, the budget bounds the wait
+    slow.update()
+    assert slow.eta() == (80.0, True)
+    for _ in range(10):  # then 1 step/s: 989 steps would take 989 s, the budget ends the run in 70 s
+        now[0] += 1.0
+        slow.update()
+    assert slow.eta() == (70.0, True)
+    shown = out.getvalue().split("\r")[-1]
+    assert "11/1000 [" in shown and "<01:10 (time budget)," in shown, shown
+    slow.close()
+
+    now[0] = 0.0
+    fast = bar(20)
+    now[0] = 10.0
+    fast.update()
+    for _ in range(5):  # 1 step/s after the first: 14 steps left end in 14 s, before the budget's 75 s
+        now[0] += 1.0
+        fast.update()
+    assert fast.eta() == (14.0, False)
+    assert "6/20 [" in out.getvalue().split("\r")[-1] and "<00:14," in out.getvalue().split("\r")[-1]
+    fast.close()
+
+    plain = console.ProgressBar(20, desc="x")  # no budget: tqdm's own ETA, its format untouched
+    plain.update()
+    assert plain.bar.bar_format is None and plain.eta() == (None, False)
+    plain.close()

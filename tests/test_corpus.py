@@ -162,3 +162,11 @@ def test_standalone_turns_need_single_turn_regeneration():
         cfg.validate()
     cfg.set("data.regenerate_turns", 1)
     cfg.validate()
+
+
+@pytest.mark.parametrize("target", ["./model", "../models/m", "_private", ".hidden"])
+def test_cache_files_of_a_relative_target_are_not_hidden_files(tmp_path, target):
+    """A target given as `./model` named its regenerated replies `._model-w...jsonl`: a hidden file, and the name
+    macOS gives its AppleDouble side files. The readable part of a cache name starts with a letter or digit."""
+    path = corpus._regenerated_file(DataSettings(), tmp_path, target, "train", "0123abcd")
+    assert path.name[0].isalnum(), path.name

@@ -225,8 +225,8 @@ def test_loss_normalization_over_gradient_accumulation(tmp_path, trainer_cls):
     capture = _GradCapture(module)
     drawn, plan = [], module.plan
 
-    def recording_plan(input_ids, loss_mask):
-        out = plan(input_ids, loss_mask)
+    def recording_plan(input_ids, loss_mask, position_ids=None):
+        out = plan(input_ids, loss_mask, position_ids)
         drawn.append(out[0].clone())
         return out
 
@@ -416,3 +416,37 @@ def test_attach_puts_the_callback_before_reporting_integrations(tmp_path):
     hf = DFlashHFTrainer(model=_module(), args=_args(tmp_path / "hf", max_steps=4), train_dataset=_rows(),
                          data_collator=Collator(0, 32))
     assert hf.callback_handler.callbacks[1] is hf.dflash_callback
+
+
+def test_the_trainer_path_trains_packed_rows(tmp_path):
+    """`transformers.Trainer` with `training_rows(rows, config.data)` under `data.packing` and dflash's collator: the
+    batches carry `position_ids` (kept through the Trainer's column filter: the module's forward names them), the
+    module plans per document, and the draft learns."""
+    from dflash.data.loader import training_rows
+    from dflash.data.packing import PackedRows
+    from dflash.hf.module import dflash_collator
+
+    module = _module(data__packing=True, data__max_length=64)
+    packed = training_rows(_rows(), module.train_config.data)
+    assert isinstance(packed, PackedRows) and len(packed) == 32  # two 32-token rows to a 64-token sequence
+    seen = []
+    collator = dflash_collator(None, module.train_config)
+
+    def recording(rows):
+        batch = collator(rows)
+        seen.append(batch)
+        return batch
+
+    planned, plan = [], module.plan
+
+    def recording_plan(input_ids, loss_mask, position_ids=None):
+        planned.append(position_ids)
+        return plan(input_ids, loss_mask, position_ids)
+
+    module.plan = recording_plan
+    trainer = _train(tmp_path, module, trainer_cls=DFlashHFTrainer, callbacks=[DFlashCallback(module)], rows=packed,
+                     collator=recording, save_strategy="no")
+    assert all(b["input_ids"].shape[1] == 64 and "position_ids" in b for b in seen)
+    assert planned and all(p is not None and p.shape == (4, 64) for p in planned)  # every micro-batch by document
+    logged = [h for h in trainer.state.log_history if "dflash_loss" in h]
+    assert logged[-1]["dflash_loss"] < 0.85 * logged[0]["dflash_loss"], logged

@@ -200,3 +200,14 @@ elif __name__ == "__main__":  # the real configuration, e.g. to refresh docs/ima
         os.environ["DFLASH_NOTEBOOK_PLOTS_DIR"] = sys.argv[2]
     os.environ.setdefault("MPLBACKEND", "Agg")
     run_notebook(verbose=True)
+
+
+def test_the_committed_outputs_show_no_machine_paths():
+    """The notebook is committed with a real run's outputs: they name the run's folder as a reader's clone would
+    (`runs/notebook/...`), never the machine it ran on (an absolute checkout or home path, a venv's warnings)."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    texts = ["".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert any("runs/notebook/export" in t for t in texts)
+    for text in texts:
+        assert not re.search(r"(^|[\s'\"(])/(work|root|home|Users|tmp)/", text), text[:300]
+        assert "site-packages" not in text, text[:300]

@@ -110,6 +110,7 @@ def test_throughput_is_input_tokens_per_second_over_all_ranks_and_per_rank():
                                       "(500 per rank)")
     one = window_metrics(flushed, elapsed=2.0, tokens=1000)
     assert format_line(4, 8, one) == "step 4/8 | loss 1.0000 | tau 1.200 | tokens/s 500"
+    assert window_metrics({**flushed, "steps": 4}, elapsed=2.0, tokens=1000)["step_ms"] == 500.0  # 2 s over 4 steps
     on_gpu = window_metrics(flushed, elapsed=2.0, tokens=1000, peak_bytes=3 * 2**29)  # a GPU run: its peak memory
     assert format_line(4, 8, on_gpu) == "step 4/8 | loss 1.0000 | tau 1.200 | tokens/s 500 | peak GiB 1.5"
 
@@ -117,3 +118,48 @@ def test_throughput_is_input_tokens_per_second_over_all_ranks_and_per_rank():
 def test_held_out_rows_outnumbering_training_rows_warn():
     assert split_warning(100, 32) is None and split_warning(32, 32) is None
     assert split_warning(7, 32).startswith("32 held-out rows outnumber the 7 training rows")
+
+
+def test_the_phase_timer_sums_a_phase_counts_a_failed_one_and_times_a_first_call_once():
+    """`dflash.report.phases`: what RUN/summary.json's `wall_seconds` and `phases` are made of."""
+    from dflash.report.phases import PhaseTimer, dflash_version
+
+    now = [100.0]
+
+    def tick(seconds):
+        now[0] += seconds
+        return seconds
+
+    timer = PhaseTimer(clock=lambda: now[0])
+    with timer("data_preparation"):
+        tick(2.0)
+    for seconds in (5.0, 1.0, 1.0):  # the first call only: the compiling step
+        timer.first("first_step", tick, seconds)
+    with pytest.raises(RuntimeError), timer("training"):  # a phase cut short still took its time
+        tick(3.0)
+        raise RuntimeError("stopped")
+    assert timer.timed("export", tick, 0.25) == 0.25
+    with timer("data_preparation"):  # entered twice: summed
+        tick(0.5)
+    record = timer.record()
+    assert record == {"dflash_version": dflash_version(), "wall_seconds": 12.75,
+                      "phases": {"data_preparation": 2.5, "first_step": 5.0, "training": 3.0, "export": 0.25}}
+
+
+def test_write_summary_records_the_version_and_the_phases_and_a_signal_stop(tmp_path, caplog):
+    """RUN/summary.json gets `dflash_version` always, `wall_seconds` and `phases` from the run's timer, and a signal's
+    stop marks it interrupted with a log line saying how to continue."""
+    import logging
+
+    from dflash.report.phases import PhaseTimer, dflash_version
+    from dflash.report.sinks import write_summary
+
+    plain = write_summary(tmp_path, {"steps": 3})
+    assert plain == {"steps": 3, "dflash_version": dflash_version()}
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        stopped = write_summary(tmp_path, {"steps": 5, "checkpoint": "RUN/checkpoints/step-00000005"},
+                                timer=PhaseTimer(), stopped_by="SIGINT")
+    assert stopped["interrupted"] and stopped["signal"] == "SIGINT" and stopped["wall_seconds"] >= 0
+    assert json.loads((tmp_path / "summary.json").read_text()) == stopped
+    assert ("stopped by signal SIGINT at step 5; saved RUN/checkpoints/step-00000005; to continue, run again with "
+            "resume_from=latest (the same output_dir) or resume_from=RUN/checkpoints/step-00000005") in caplog.text

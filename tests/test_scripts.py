@@ -231,3 +231,21 @@ def test_bench_width_tiny():
     assert line.startswith("bench_width:") and "steps/s bounded" in line, out.stdout
     bounded, fixed = (float(x) for x in line.split("loss ")[1].split(" vs "))
     assert bounded == pytest.approx(fixed, rel=1e-5)
+
+
+def test_bench_packing_runs_both_layouts_through_dflash_train(tmp_path):
+    """`scripts/bench_packing.py` (docs/benchmarks.md's packing figures), CPU smoke: two `dflash train` runs, their
+    windows and padding read back; packed rows carry more real tokens per slot than bucketed ones."""
+    from test_cli import _args
+
+    from conftest import chat_file, save_tiny_target
+
+    target = tmp_path / "target"
+    save_tiny_target(target)
+    data = chat_file(tmp_path / "chats.jsonl")
+    args = _args(target, data, tmp_path / "unused", "max_steps=6", "log_interval=2", "batch_size=2", "data.max_length=192")[1:]
+    stdout = run("scripts/bench_packing.py", "--out", str(tmp_path / "bench"), *args)
+    runs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert [r["run"] for r in runs] == ["bucketed", "packed"] and runs[1]["overrides"] == ["data.packing=true"]
+    assert runs[1]["real_fraction"] > runs[0]["real_fraction"] and all(r["ms_per_step"] > 0 for r in runs)
+    assert stdout.splitlines()[-1].startswith("bench_packing: bucketed ")

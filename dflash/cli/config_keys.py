@@ -21,7 +21,7 @@ from dflash.presets import EMBEDDED_CPU, EMBEDDED_GPU
 # Fields of dflash/config.py without a comment of their own.
 _MEANINGS = {
     "seed": "fixes the draft's initial weights, the data order and the anchor stream",
-    "max_steps": "optimizer steps to train (the cosine schedule spans them)",
+    "max_steps": "optimizer steps to train (the cosine schedule spans them); with num_epochs, a cap when changed",
     "progress_bar": "draw progress bars (rank 0 only): training, regeneration, evaluations",
     "spec_eval_max_new_tokens": "new tokens per prompt in the speculative evaluation (and the held-out chain cap)",
     "draft.num_layers": "draft decoder layers",

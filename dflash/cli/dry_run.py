@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations, split_warning
+from dflash.data.loader import pack_length
 from dflash.data.regenerate import prompt_id, prompt_turns
 from dflash.data.repliers import target_identity
+from dflash.data.reply_cache import cached_prompt_ids
 from dflash.data.sources import local_source
-from dflash.embedded import cache_root, embedded_target_dir
+from dflash.embedded import cache_root
 from dflash.factory import draft_config_for, offline_target
 from dflash.files import format_bytes
 from dflash.kinds.drafts import draft_model_for_config
@@ -24,13 +25,15 @@ from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies
 from dflash.run.folder import check_folder
-from dflash.runtime import check_run_settings, resolve_device, resolve_dtype
+from dflash.runtime import (
+    check_run_settings,
+    load_target_config,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    target_location,
+)
 from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
-
-
-def target_source(name: str) -> str:
-    """Folder or hub id that `from_pretrained` reads for `config.target`."""
-    return str(embedded_target_dir()) if name == "embedded" else name
 
 
 def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
@@ -62,21 +65,50 @@ def _cached(rows: list[dict[str, Any]], path: Path, turns: int) -> int:
     if not path.is_file():
         return 0
     asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
-    return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line)["prompt_id"] in asked)
+    return len(cached_prompt_ids(path) & asked)  # a damaged row is not counted: the run asks its prompt again
+
+
+def time_estimate(config: TrainConfig) -> str:
+    """What a dry run can say of the run's time from its config alone: the training phase's bound
+    (`time_budget_minutes` against the step count). No speed is measured here, so no phase is given a duration."""
+    steps = f"num_epochs={config.num_epochs:g}" if config.num_epochs is not None else f"max_steps={config.max_steps:,}"
+    if config.time_budget_minutes:
+        bound = f"training up to {config.time_budget_minutes:g} min (time_budget_minutes), less if {steps} comes first"
+    else:
+        bound = f"training until {steps}, with no time bound (no time_budget_minutes)"
+    return (f"{bound}; the other phases are not estimated (a dry run measures no speed): a run records each "
+            "phase's seconds in RUN/summary.json (wall_seconds, phases)")
+
+
+def phases_to_run(config: TrainConfig, regeneration: str, held_out: int | None) -> str:
+    """The phases the run will go through, named as RUN/summary.json's `phases` names them (`dflash.report.phases`),
+    each with what decides its cost. `held_out`: the held-out conversations (None: unknown before the run loads
+    the source)."""
+    d = config.data
+    evaluated = d.eval_size > 0 if held_out is None else held_out > 0
+    names = [f"data_preparation ({regeneration})",
+             "first_step (" + ("compiles the draft: compile=true" if config.compile else "no compilation") + ")",
+             "training", *(["held_out_eval"] if evaluated else []), *(["export"] if config.export_on_finish else []),
+             *(["speculative_eval"] if evaluated and config.spec_eval_prompts else [])]
+    return ", ".join(names)
 
 
 def phases(config: TrainConfig) -> dict[str, Any]:
     """The run's time budget and phases (regeneration, training, evaluation) with their sizes, counted from
-    the data source and the regeneration cache (`dflash.data.corpus`'s own split and file rules; no model runs).
+    the data source and the regeneration cache (`dflash.data.corpus`'s own split and file rules; no model runs);
+    the phases that will run, and the time bound the config sets (`time_estimate`).
     A hub dataset is not downloaded for this: its sizes are known once the run loads it."""
     d = config.data
     rows = config.batch_size * config.optim.grad_accum
     budget = (f"{config.time_budget_minutes:g} min of training, then save, evaluate and export"
               if config.time_budget_minutes else "none (training runs to max_steps)")
-    out: dict[str, Any] = {"time_budget": budget}
+    # phases_to_run is filled once the regeneration is counted; its place is here, after the time lines
+    out: dict[str, Any] = {"time_budget": budget, "time_estimate": time_estimate(config), "phases_to_run": None}
     training = f"up to {config.max_steps:,} steps x {rows} rows per rank"
     evals = config.max_steps // config.eval_interval if config.eval_interval else 0
     if d.source != "chitchat" and not Path(d.source).expanduser().exists():
+        out["phases_to_run"] = phases_to_run(config, "read from the hub; regeneration counted once loaded"
+                                             if d.regenerate and not d.features else "read from the hub", None)
         out["phase_training"] = training
         out["phases"] = f"data.source {d.source!r} is not a local file: its sizes are counted once the run loads it"
         return out
@@ -84,6 +116,7 @@ def phases(config: TrainConfig) -> dict[str, Any]:
     prompts = _training_rows(train, held, d) if d.regenerate else train
     if d.features:  # the rows are those the features were written from (`dflash features` regenerated them)
         out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
+        regeneration = "the target's features read from data.features"
     elif d.regenerate:
         root = Path(d.cache_dir) if d.cache_dir else cache_root()
         identity = target_identity(d, config.target)  # as the run keys its cache (a server is asked what it serves)
@@ -93,8 +126,14 @@ def phases(config: TrainConfig) -> dict[str, Any]:
                                      f"prompts ({cached[1]:,} cached), at most {d.regenerate_max_new_tokens} new tokens "
                                      f"each, {d.regenerate_batch_size} per batch; "
                                      f"{identity.describe(config.target, d)}")
+        asked, left = len(prompts) + len(held), len(prompts) + len(held) - sum(cached)
+        regeneration = (f"regeneration: all {asked:,} prompts cached, none generated" if not left else
+                        f"regeneration: {left:,} of {asked:,} prompts to generate"
+                        + (f", {asked - left:,} cached" if left < asked else ", none cached"))
     else:
         out["phase_regeneration"] = "off (data.regenerate=false: the data's own replies)"
+        regeneration = "no regeneration: the data's own replies"
+    out["phases_to_run"] = phases_to_run(config, regeneration, len(held))
     epochs = config.max_steps * rows / max(len(prompts), 1)
     out["phase_training"] = (f"{training}, over {len(prompts):,} training conversations of {available:,} in the source "
                              f"(~{epochs:.1f} epochs on one process)" + (", unless the time budget ends it first"
@@ -119,10 +158,12 @@ def plan(config: TrainConfig) -> dict[str, Any]:
     if not config.data.features:  # a run from features reads no source rows
         local_source(config.data.source)  # a missing local file or folder: the run's FileNotFoundError
     check_folder(Path(config.output_dir), resume_from=config.resume_from, overwrite=config.overwrite_output_dir)
-    source = target_source(config.target)
-    target_cfg = AutoConfig.from_pretrained(source)
+    # The run's own loaders: a missing folder or an unreachable hub id gives the run's one line and exit code
+    # (the dry run once let transformers' OSError through: exit 4, "output not writable", with the hub's text)
+    source = target_location(config.target)
+    target_cfg = load_target_config(config.target)
     text = text_config_of(target_cfg)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = load_tokenizer(config.target)
     ds = config.draft
     draft_cfg = draft_config_for(config, target_cfg, tokenizer, text.vocab_size)
     mask_id = draft_cfg.mask_token_id
@@ -152,8 +193,9 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         (f"decay exp(-k / {config.dspark.loss_decay_gamma}), slot 0 included" if ds.kind == "dspark" else
          f"decay, gamma {decay_gamma(ds.loss_decay_gamma, draft_cfg.block_size)}"),
         "anchors_per_row": ds.num_anchors,
-        "rows_per_step": rows,
-        "max_tokens_per_step": rows * config.data.max_length,
+        "rows_per_step": f"{rows} packed sequences of {pack_length(config.data)} tokens (data.packing)"
+        if config.data.packing else rows,
+        "max_tokens_per_step": rows * (pack_length(config.data) if config.data.packing else config.data.max_length),
         "blocks_per_step": rows * ds.num_anchors,
         "steps": config.max_steps,
         "device": str(device),

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -44,8 +45,35 @@ def _train(args: argparse.Namespace) -> int:
     if process_rank() == 0:  # one table per launch; the full JSON is RUN/summary.json
         print(json.dumps(summary, indent=2) if args.json else summary_table(summary, Path(config.output_dir) / SUMMARY_NAME))
     if summary.get("interrupted"):  # saved; a scheduler requeues it with resume_from=latest
+        if process_rank() == 0:  # stderr: stdout stays the table or the JSON
+            print(f"dflash train: interrupted by {summary.get('signal')} at step {summary.get('steps')}, saved in "
+                  f"{summary.get('checkpoint')}; continue it with:\n  {resume_command(args)}", file=sys.stderr)
         return interrupted_exit_code(summary.get("signal"))
     return 0
+
+
+# `dflash train` settings a resume command leaves out: resume_from is set to latest, and overwrite_output_dir=true
+# beside it is ignored by the run (`dflash.run.folder.claim`) but reads as if it would wipe what it continues.
+_NOT_RESUMED = ("resume_from", "overwrite_output_dir")
+
+
+def launcher() -> str:
+    """How this process was started, as the words before `train`: `torchrun --nproc_per_node N -m dflash` under
+    torchrun on one node (a rank sees no other launcher option; on several nodes `<torchrun options>` stands for
+    them), `python -m dflash` for `python -m dflash`, else `dflash` (the console script)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun's agent for every rank
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
+        return f"torchrun {'--nproc_per_node ' + shlex.quote(local) if local == world else '<torchrun options>'} -m dflash"
+    by_module = Path(sys.argv[0]).resolve() == Path(__file__).resolve().parent.parent / "__main__.py"  # dflash's own
+    return "python -m dflash" if by_module else "dflash"
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues an interrupted `dflash train`: the same launcher, config file and overrides
+    (in their order, shell-quoted), and `resume_from=latest` (the newest intact checkpoint of that output_dir)."""
+    kept = [word for word in args.overrides if word.split("=", 1)[0].strip() not in _NOT_RESUMED]
+    words = [*([args.config] if args.config else []), *kept, "resume_from=latest", *(["--json"] if args.json else [])]
+    return f"{launcher()} train {shlex.join(words)}"
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -82,7 +110,8 @@ def _export(args: argparse.Namespace) -> int:
     from dflash.evaluation.export import export_checkpoint
     from dflash.evaluation.serving import format_serving
 
-    path, out = export_checkpoint(args.checkpoint, args.out_dir)  # weights and config: no optimizer state is read
+    # weights and config: no optimizer state is read; OUT new, empty or an earlier export unless --overwrite
+    path, out = export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite)
     print(f"exported {path} -> {out}")
     print(format_serving(out))  # the vLLM / SGLang launch commands for this folder
     return 0
@@ -135,7 +164,8 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash", description="Sync-free DFlash / Domino draft training")
+    parser = argparse.ArgumentParser(prog="dflash", description="Sync-free training of DFlash-family drafts "
+                                     "(DFlash, Domino, DFlash 2, DSpark)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a draft (no arguments: the embedded SmolLM2 + chitchat default)")
@@ -175,13 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--engine", choices=("dflash", "vllm"), default="dflash",
                     help="dflash: dflash's own decoder; vllm: also serve the target in vLLM with the draft as its "
                     "speculative draft and report vLLM's acceptance length, losslessness and tokens/s beside dflash's tau")
-    ev.add_argument("--out", help="JSON report path (default: DRAFT/eval.json; with --engine vllm DRAFT/eval_vllm.json)")
+    ev.add_argument("--out", help="JSON report path, replaced if present (default: DRAFT/eval.json, or the first free "
+                    "DRAFT/eval-N.json when a report is there already; with --engine vllm DRAFT/eval_vllm.json)")
     ev.set_defaults(func=_eval)
 
     ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format; "
                         "print its vLLM and SGLang launch commands")
     ex.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its latest checkpoint)")
-    ex.add_argument("out_dir")
+    ex.add_argument("out_dir", help="a new or empty folder, or an earlier dflash export (replaced)")
+    ex.add_argument("--overwrite", action="store_true", help="write into a folder that is not a dflash export: "
+                    "replaces its config.json and model.safetensors, keeps every other file")
     ex.set_defaults(func=_export)
 
     pl = sub.add_parser("plot", help="PNG plots of a run's metrics (loss, tau, per-position accuracy); needs matplotlib")

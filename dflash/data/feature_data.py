@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from dflash.data.features import (
+    BINDING_KEY,
     FORMAT_VERSION,
     HELD_OUT_PART,
     MANIFEST,
@@ -32,6 +33,7 @@ from dflash.data.features import (
     dtype_name,
     file_sha256,
     head_checksum,
+    header_digest,
     part_dir,
     regenerate_command,
 )
@@ -117,8 +119,30 @@ def check_run_features(root: str | os.PathLike[str], **expected: Any) -> dict[st
     return check_manifest(train, **expected)
 
 
-def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums: bool = True) -> None:
-    """Refuse a missing, truncated (size) or, with `verify_checksums`, corrupted shard, or rows not covered."""
+def _binding_problem(path: Path, entry: Mapping[str, Any], header: Mapping[str, Any]) -> str | None:
+    """How shard `path` contradicts its manifest `entry` and `header` (None: it names both): the header digest and
+    rows of its `features.shard_binding`, and the length of its `row_ids`. Reads the shard's header only."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            binding = json.loads((f.metadata() or {}).get(BINDING_KEY, "{}"))
+            row_ids = f.get_slice("row_ids").get_shape() if "row_ids" in f.keys() else None
+    except Exception as e:  # safetensors' own error type: a header that does not parse
+        return f"cannot be read ({e})"
+    start, end = entry["rows"]
+    if not isinstance(binding, dict) or "header" not in binding:
+        return "names no manifest (written before feature format 2, or not by dflash features)"
+    if binding["header"] != header_digest(header):
+        return "was written for another feature folder (another target, rows or settings)"
+    if binding.get("rows") != [start, end] or row_ids != [end - start]:
+        return f"holds rows {binding.get('rows')}, where the manifest lists rows {[start, end]} (a shard swapped in)"
+    return None
+
+
+def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums: bool = True,
+                 verify_binding: bool = True) -> None:
+    """Refuse a missing, truncated (size) or, with `verify_checksums`, corrupted shard, with `verify_binding` a
+    shard written for another folder or another position (`features.shard_binding`: the manifest's own hashes
+    can be updated along with a swapped shard), or rows not covered."""
     covered = 0
     for entry in manifest["shards"]:
         path = folder / entry["file"]
@@ -131,6 +155,9 @@ def check_shards(folder: Path, manifest: Mapping[str, Any], *, verify_checksums:
         if verify_checksums and (digest := file_sha256(path)) != entry["sha256"]:
             raise ValueError(f"feature shard {path} is corrupted: expected sha256 {entry['sha256']}, found {digest}; "
                              f"regenerate it: {regenerate_command(folder)}")
+        if verify_binding and (problem := _binding_problem(path, entry, manifest["header"])):
+            raise ValueError(f"feature shard {path} {problem}: not this folder's shard for its rows, refused; "
+                             f"regenerate the features: {regenerate_command(folder)}")
         if entry["rows"][0] != covered:
             raise ValueError(f"feature shards of {folder} do not cover rows {covered}..{entry['rows'][0] - 1}; "
                              f"regenerate them: {regenerate_command(folder)}")
@@ -179,7 +206,7 @@ class FeatureDataset(Dataset):
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
-        check_shards(self.directory, self.manifest, verify_checksums=False)
+        check_shards(self.directory, self.manifest, verify_checksums=False, verify_binding=False)
         self.header = self.manifest["header"]
         self.files = [entry["file"] for entry in self.manifest["shards"]]
         self.starts = [entry["rows"][0] for entry in self.manifest["shards"]]

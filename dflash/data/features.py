@@ -16,8 +16,9 @@ training rows) and `held_out/` (the held-out rows, absent when `data.eval_size` 
 
 A shard holds `features [T, K*H]` (the chosen dtype), `input_ids [T]` int32, `loss_mask [T]` uint8,
 optionally `labels [T]` int32 (T = the tokens of its rows, unpadded), `offsets [n + 1]` int64 (row i
-is tokens offsets[i]:offsets[i+1]) and `row_ids [n]` int64 (rows in row order). Safetensors was chosen
-over Arrow on measured read throughput (`scripts/bench_features.py`).
+is tokens offsets[i]:offsets[i+1]) and `row_ids [n]` int64 (rows in row order); its metadata names the
+manifest header it was written for and its rows (`shard_binding`). Safetensors was chosen over Arrow on
+measured read throughput (`scripts/bench_features.py`).
 
 Each shard is computed from its own rows only (sorted by length inside the shard, in fixed batches), so
 a run resumed after an interruption writes the same bytes as one that was never interrupted.
@@ -46,7 +47,9 @@ from dflash.target.frozen import FrozenTarget
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: each shard names, in its metadata, the manifest header it was written for and its rows (`shard_binding`)
+FORMAT_VERSION = 2
+BINDING_KEY = "dflash_features"  # the shard's one metadata entry (`shard_binding`)
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 # `dflash features` writes the training rows and the held-out rows of a run to these sub-folders of `data.features`.
@@ -194,12 +197,27 @@ def shard_tensors(rows: Sequence[Mapping[str, torch.Tensor]], row_start: int) ->
     return out
 
 
-def save_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Write a shard atomically (temporary file, then rename); its manifest entry (file, bytes, sha256)."""
+def header_digest(header: Mapping[str, Any]) -> str:
+    """sha256 of a manifest header: what made a folder's features (target, layers, dtype, rows, ...)."""
+    return _sha256(json.dumps(header, sort_keys=True).encode())
+
+
+def shard_binding(header: Mapping[str, Any], rows: Sequence[int]) -> str:
+    """What a shard records of its place, in its own bytes: the digest of the header it was written for and its
+    rows [start, end). The manifest's sha256 of each shard says the file is the one listed, but whoever edits a
+    shard can edit that hash: a shard swapped with another of the folder, or copied in from another feature
+    folder (another target's features of the same rows), with its hash updated, trained. The binding is inside
+    the checksummed bytes, so such a shard names another header or other rows (`feature_data.check_shards`)."""
+    return json.dumps({"version": FORMAT_VERSION, "header": header_digest(header), "rows": list(rows)})
+
+
+def save_shard(path: Path, tensors: Mapping[str, torch.Tensor], binding: str | None = None) -> dict[str, Any]:
+    """Write a shard atomically (temporary file, then rename), with its `shard_binding` when given; its manifest
+    entry (file, bytes, sha256)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         # One metadata entry: safetensors keeps metadata in a hash map whose order changes from call to call.
-        save_file(dict(tensors), str(tmp), metadata={"dflash_features_version": str(FORMAT_VERSION)})
+        save_file(dict(tensors), str(tmp), metadata={BINDING_KEY: binding or json.dumps({"version": FORMAT_VERSION})})
     except Exception as e:  # safetensors' own error for a failed write: the OS error it wraps, naming the file
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) or not (code := re.search(r"os error (\d+)", str(e))):
@@ -343,7 +361,7 @@ def write_features(target: FrozenTarget, target_name: str, rows: Any, out_dir: s
             start, end = starts[k], min(starts[k] + shard_rows, num_rows)
             computed = _compute_shard(target, rows, start, end, dtype=torch_dtype, max_length=max_length,
                                       labels=labels, batch_size=batch_size, device=device)
-            entry = save_shard(out / shard_name(k), shard_tensors(computed, start))
+            entry = save_shard(out / shard_name(k), shard_tensors(computed, start), shard_binding(header, (start, end)))
             entry.update(rows=[start, end], tokens=sum(lengths[start:end]))
             shards.append(entry)
             _write_json_atomic(out / PARTIAL, {"header": header, "shards": shards})

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from dflash.anchors import bounded_width
+from dflash.data.packing import PackedRows, packed_positions
 
 
 class Collator:
@@ -43,9 +44,12 @@ class Collator:
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, settings: Any, anchor_widths: Sequence[int] | None = None) -> Collator:
         """The collator of `settings` (a `DataSettings`), padding with the tokenizer's pad token (else
-        eos, else 0); with `anchor_widths`, each batch also names the anchor width it needs."""
+        eos, else 0); with `anchor_widths`, each batch also names the anchor width it needs. Packed rows
+        (`data.packing`) fill one fixed length, `pack_length(settings)`: one shape."""
         pad = getattr(tokenizer, "pad_token_id", None)
         pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
+        if settings.packing:
+            return cls(pad, pack_length(settings), pack_length(settings), anchor_widths)
         return cls(pad, settings.bucket_multiple, settings.max_length, anchor_widths)
 
     @property
@@ -65,9 +69,10 @@ class Collator:
         return min(padded, self.max_length) if self.max_length else padded
 
     def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Any]:
-        """``{"input_ids": LongTensor[B, S], "loss_mask": BoolTensor[B, S]}``, and with ``anchor_widths``
-        ``"num_anchors"``: the smallest allowed width holding every row's valid anchors, read from this
-        CPU copy of the mask before any transfer (a Python int: no device read)."""
+        """``{"input_ids": LongTensor[B, S], "loss_mask": BoolTensor[B, S]}``, with packed rows
+        (`dflash.data.packing`) ``"position_ids": LongTensor[B, S]`` restarting per document, and with
+        ``anchor_widths`` ``"num_anchors"``: the smallest allowed width holding every row's valid anchors, read
+        from this CPU copy of the mask before any transfer (a Python int: no device read)."""
         seq = self.length(max(len(r["input_ids"]) for r in rows))
         input_ids = torch.full((len(rows), seq), self.pad_token_id, dtype=torch.long)
         loss_mask = torch.zeros((len(rows), seq), dtype=torch.bool)
@@ -76,18 +81,40 @@ class Collator:
             input_ids[b, :n] = torch.as_tensor(row["input_ids"][:n], dtype=torch.long)
             loss_mask[b, :n] = torch.as_tensor(row["loss_mask"][:n]).bool()
         batch: dict[str, Any] = {"input_ids": input_ids, "loss_mask": loss_mask}
+        if "position_ids" in rows[0]:
+            batch["position_ids"] = packed_positions(rows, seq)
         if self.anchor_widths:
-            batch["num_anchors"] = bounded_width(loss_mask, self.anchor_widths)
+            batch["num_anchors"] = bounded_width(loss_mask, self.anchor_widths, batch.get("position_ids"))
         return batch
+
+
+def pack_length(settings: Any) -> int:
+    """The fixed length of packed sequences: `data.pack_length`, else `data.max_length`."""
+    return settings.pack_length or settings.max_length
+
+
+def training_rows(dataset: Any, settings: Any) -> Any:
+    """What the loader plays of a training set: its rows, or with `data.packing` the rows packed into sequences of
+    `pack_length(settings)` tokens (`dflash.data.packing.PackedRows`; their lengths read from Arrow, no row decoded)."""
+    if not settings.packing:
+        return dataset
+    lengths = row_lengths(dataset)
+    if lengths is None:
+        raise ValueError("data.packing needs tokenized rows (a datasets.Dataset or a list of rows); offline feature "
+                         "sets are not packed: set data.packing=false")
+    return PackedRows(dataset, lengths, pack_length(settings))
 
 
 class ResumableSampler(Sampler[int]):
     """Deterministic (optionally sharded) sample order that can start mid-epoch.
 
-    Epoch e's order is a permutation seeded by (seed, e); rank r of w takes every w-th index
-    (each rank gets ``n // w``). Each ``iter()`` plays the current epoch and then advances it, so a
-    loop over epochs needs no ``set_epoch``. ``start`` indices of the first epoch played are skipped
-    (``skip_batches * batch_size`` when resuming).
+    Epoch e's order is a permutation seeded by (seed, e). With w ranks the order is cut into global micro-batches
+    of ``w * micro_rows`` indices and rank r takes the r-th block of ``micro_rows`` of each: the rows one process
+    would train on in a micro-batch of ``w * micro_rows`` rows, rank r holding rows ``r * micro_rows ..`` of it,
+    the layout the anchor draw assumes (`dflash.anchors.GlobalRows`); an incomplete last global micro-batch is
+    left out (one process plays every index: the loader's `drop_last` decides). Each ``iter()`` plays the
+    current epoch and then advances it, so a loop over epochs needs no ``set_epoch``. ``start`` indices of the
+    first epoch played are skipped (``skip_batches * batch_size`` when resuming).
     """
 
     def __init__(
@@ -100,8 +127,10 @@ class ResumableSampler(Sampler[int]):
         start: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        micro_rows: int = 1,
     ) -> None:
         self.num_samples = num_samples
+        self.micro_rows = micro_rows
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = epoch
@@ -116,8 +145,16 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
-        per_rank = self.num_samples // self.world_size
-        return order[self.rank :: self.world_size][:per_rank]
+        block, group = self.micro_rows, self.micro_rows * self.world_size
+        return [i for g in range(0, self.per_rank_count * self.world_size, group)
+                for i in order[g + self.rank * block : g + (self.rank + 1) * block]]
+
+    @property
+    def per_rank_count(self) -> int:
+        """Indices each rank plays in an epoch: its blocks of the complete global micro-batches (one process: all)."""
+        if self.world_size == 1:
+            return self.num_samples
+        return self.num_samples // (self.micro_rows * self.world_size) * self.micro_rows
 
     def __iter__(self) -> Iterator[int]:
         order = self.indices(self.epoch)[self.start :]
@@ -126,7 +163,7 @@ class ResumableSampler(Sampler[int]):
         return iter(order)
 
     def __len__(self) -> int:
-        return self.num_samples // self.world_size - self.start
+        return self.per_rank_count - self.start
 
 
 def make_dataloader(
@@ -142,8 +179,10 @@ def make_dataloader(
     skip_batches: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    micro_batches: int = 1,
 ) -> DataLoader:
-    """DataLoader over ``dataset`` with a deterministic, resumable order (:class:`ResumableSampler`).
+    """DataLoader over ``dataset`` with a deterministic, resumable order (:class:`ResumableSampler`); a batch of
+    ``batch_size`` rows is ``micro_batches`` micro-batches (``optim.grad_accum``), each rank's block of a global one.
 
     Resume at global batch k of an epoch with ``epoch=e, skip_batches=k``. Batches are pinned when
     a GPU exists (so the device copy can be ``non_blocking`` without a hidden sync) and workers
@@ -157,6 +196,7 @@ def make_dataloader(
         start=skip_batches * batch_size,
         rank=rank,
         world_size=world_size,
+        micro_rows=batch_size // micro_batches,
     )
     return DataLoader(
         dataset,
@@ -241,9 +281,11 @@ def micro_batches(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
 def row_lengths(dataset: Any) -> list[int] | None:
     """Tokens of every row of a training set: a `datasets.Dataset`'s `input_ids` list lengths read from its Arrow
     column (no row is decoded), a list's rows counted; None for other sets (an offline feature set would read
-    every row's features to count them)."""
-    if isinstance(dataset, datasets.Dataset):
-        return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+    every row's features to count them); packed sequences' token counts (`PackedRows`)."""
+    if isinstance(dataset, PackedRows):
+        return list(dataset.lengths)
+    if isinstance(dataset, datasets.Dataset):  # as an Arrow table: the rows a selection or filter kept, in its order
+        return pc.list_value_length(dataset.with_format("arrow")[:]["input_ids"]).to_pylist()
     if isinstance(dataset, list):
         return [len(row["input_ids"]) for row in dataset]
     return None
@@ -303,7 +345,8 @@ class DataPosition:
 
 
 def device_batches(dataset: Any, rows: int, collator: Collator, device: torch.device, position: DataPosition, *,
-                   seed: int, num_workers: int, rank: int = 0, world_size: int = 1) -> Iterator[dict[str, Any]]:
+                   seed: int, num_workers: int, rank: int = 0, world_size: int = 1,
+                   micro_batches: int = 1) -> Iterator[dict[str, Any]]:
     """Endless device batches of `rows` rows, epoch after epoch, from `position` on (advanced as they are
     taken). Batches come pinned from DataLoader workers and are copied one ahead (`non_blocking`). One
     loader serves every epoch (its sampler advances the epoch on each pass), so its persistent workers
@@ -313,7 +356,7 @@ def device_batches(dataset: Any, rows: int, collator: Collator, device: torch.de
         raise ValueError(f"the training set has {len(dataset)} rows{share}, fewer than one step needs ({rows}): "
                          "lower batch_size / optim.grad_accum or add data")
     loader = make_dataloader(dataset, rows, collator, seed=seed, epoch=position.epoch, skip_batches=position.batches,
-                             num_workers=num_workers, rank=rank, world_size=world_size)
+                             num_workers=num_workers, rank=rank, world_size=world_size, micro_batches=micro_batches)
     while True:
         for batch in DevicePrefetcher(loader, device):
             position.batches += 1

@@ -1,4 +1,4 @@
-"""Source formats: files, folders, hub datasets and in-memory rows -> normalized conversations.
+"""Source formats: files, folders, saved datasets, hub datasets and in-memory rows -> normalized conversations.
 
 A conversation is ``{"id": str, "messages": [{"role", "content"}, ...]}`` with the roles system /
 user / assistant. Loading is strict at start (an empty or unreadable file is an error naming it)
@@ -36,6 +36,11 @@ _SHAREGPT_ROLES = {
     "assistant": "assistant",
 }
 _ID_KEYS = ("id", "prompt_id", "conversation_id")
+# What `datasets.Dataset.save_to_disk` (its state and info) and `DatasetDict.save_to_disk` write: a folder holding
+# them is one dataset for `datasets.load_from_disk`, not a folder of .json data files (its metadata once read as
+# "38 malformed JSON lines (dataset_info.json)").
+_SAVED_DATASET = ("state.json", "dataset_info.json")
+_SAVED_DATASET_DICT = "dataset_dict.json"
 
 
 # --------------------------------------------------------------------------- reports
@@ -242,12 +247,25 @@ def _iter_file(path: Path, report: DataReport) -> Iterator[tuple[str, Any]]:
     yield from _iter_json_lines(data.splitlines(), name, report)
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `datasets.Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return path.is_dir() and (all((path / name).is_file() for name in _SAVED_DATASET)
+                              or (path / _SAVED_DATASET_DICT).is_file())
+
+
 def local_files(path: Path) -> list[Path]:
-    """The data files of a file or folder path; raises naming the path when there are none."""
+    """The data files of a file or folder path (a saved dataset's: every file it holds, which is what
+    identifies its content); raises naming the path when there are none."""
+    if is_saved_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_SUFFIXES)
         if not files:
             raise ValueError(f"no {'/'.join(FILE_SUFFIXES)} files in {path}")
+        if saved := next((f.parent for f in files if is_saved_dataset(f.parent)), None):
+            inner = saved.parent if (saved.parent / _SAVED_DATASET_DICT).is_file() else saved
+            raise ValueError(f"{inner} inside {path} is a dataset saved with datasets' save_to_disk, not data files: "
+                             f"give it as the source on its own (data.source={inner})")
         return files
     if path.suffix not in FILE_SUFFIXES:
         raise ValueError(f"{path}: unsupported file type (expected {'/'.join(FILE_SUFFIXES)})")
@@ -283,6 +301,9 @@ def _source_rows(source: Any, split: str, report: DataReport) -> Iterator[tuple[
             yield f"row {index}", row
         return
     files = local_source(str(source))
+    if files is not None and is_saved_dataset(path := Path(source).expanduser()):
+        yield from _saved_rows(path, split)
+        return
     if files is not None:
         for file in files:
             count, skipped = 0, sum(report.skipped.values())
@@ -292,15 +313,33 @@ def _source_rows(source: Any, split: str, report: DataReport) -> Iterator[tuple[
             if count == 0 and sum(report.skipped.values()) == skipped:
                 raise ValueError(f"{file} holds no rows")
         return
-    try:
+    try:  # a hub name: datasets reads its local cache offline (HF_DATASETS_OFFLINE=1) once downloaded
         dataset = datasets.load_dataset(str(source), split=split)
     except Exception as e:
         raise ValueError(
             f"cannot load {source!r}: no such local file or folder, and datasets.load_dataset "
-            f"failed ({type(e).__name__}: {e})"
+            f"failed ({type(e).__name__}: {e}); a hub dataset is read from its cache once downloaded online, or "
+            "give a local file, a folder of them or a datasets save_to_disk folder"
         ) from e
     for index, row in enumerate(dataset):
         yield f"{source} row {index}", row
+
+
+def _saved_rows(path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a `save_to_disk` folder, read with `datasets.load_from_disk`; a saved `DatasetDict`
+    gives its `split`."""
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as e:  # a damaged arrow file or metadata: name the folder
+        raise ValueError(f"cannot read {path}, a dataset saved with datasets' save_to_disk ({type(e).__name__}: "
+                         f"{e}); save it again") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(f"{path} is a saved DatasetDict without a {split!r} split (it holds "
+                             f"{', '.join(sorted(data))}); choose one with data.split")
+        data = data[split]
+    for index, row in enumerate(data):
+        yield f"{path} row {index}", row
 
 
 def load_conversations(

@@ -8,13 +8,20 @@ and keeps the result on disk, keyed by the source's content, the tokenizer and `
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +173,61 @@ def _tokenize_batch(batch: dict[str, list[Any]], tokenizer: Any, max_length: int
     return out
 
 
+# --------------------------------------------------------------------------- worker processes
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_WORKER: dict[str, Any] = {}  # in a worker process: what `_start_worker` was given (inherited through fork)
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this (worker) process end when process `parent` ends, however it ends. A worker blocked on its
+    task queue never notices a parent killed by SIGKILL, or by a SIGTERM with no handler yet (a launch
+    still tokenizing): datasets' pool left its workers and its manager, about 1.2 GB each, running for good.
+    Linux: the kernel sends SIGKILL on the parent's death (`PR_SET_PDEATHSIG`; strictly, on the end of the parent
+    thread that started the worker: `_parallel_map` starts its pool and waits on it in one thread); elsewhere a
+    thread polls the parent id. A parent gone before the setting took is caught by the id check that follows it."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _start_worker(parent: int, raw: Any, fn_kwargs: dict[str, Any], features: Any) -> None:
+    """Pool initializer: die with the parent; keep the rows and the tokenizer, which a forked worker inherits
+    (initargs are not pickled under fork: the tokenizer is not serialized once per worker)."""
+    die_with_parent(parent)
+    _WORKER.update(raw=raw, fn_kwargs=fn_kwargs, features=features)
+
+
+def _tokenize_shard(index: int, num_shards: int, path: str) -> None:
+    """Worker: tokenize contiguous shard `index` of `num_shards` of the rows into the Arrow file `path`."""
+    shard = _WORKER["raw"].shard(num_shards, index, contiguous=True)
+    shard.map(_tokenize_batch, batched=True, remove_columns=["messages"], fn_kwargs=_WORKER["fn_kwargs"],
+              features=_WORKER["features"], cache_file_name=path)
+
+
+def _parallel_map(raw: Any, fn_kwargs: dict[str, Any], features: Any, num_proc: int, scratch: Path) -> Any:
+    """`raw.map(_tokenize_batch, num_proc=num_proc)` through worker processes that die with this one
+    (`die_with_parent`): contiguous shards, each written to an Arrow file under `scratch`, concatenated in
+    order (the rows datasets' own parallel map gives). datasets' map takes no pool initializer, and its
+    pool and manager outlived a killed launch."""
+    paths = [str(scratch / f"shard-{i:05d}.arrow") for i in range(num_proc)]
+    context = multiprocessing.get_context("fork")  # the rows and the tokenizer are inherited, not pickled
+    with ProcessPoolExecutor(num_proc, mp_context=context, initializer=_start_worker,
+                             initargs=(os.getpid(), raw, fn_kwargs, features)) as pool:
+        for job in [pool.submit(_tokenize_shard, i, num_proc, path) for i, path in enumerate(paths)]:
+            job.result()  # a worker's exception is raised here, with its traceback
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(path) for path in paths])
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """Hash of everything about a tokenizer that changes ``input_ids`` or ``loss_mask``."""
     h = hashlib.sha256()
@@ -242,6 +304,7 @@ def build_dataset(
     raw = datasets.Dataset.from_dict({"messages": [row["messages"] for row in conversations]})
     if num_proc is None and len(raw) >= _PARALLEL_ROWS:
         num_proc = min(os.cpu_count() or 1, 16)
+    num_proc = min(num_proc or 1, len(raw))
     features = datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
@@ -251,15 +314,23 @@ def build_dataset(
             "truncated": datasets.Value("bool"),
         }
     )
-    tokenized = raw.map(
-        _tokenize_batch,
-        batched=True,
-        remove_columns=["messages"],
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
-        features=features,
-        num_proc=num_proc,
-        desc="tokenizing",
-    )
+    fn_kwargs = {"tokenizer": tokenizer, "max_length": max_length}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-map-", dir=folder.parent))  # the workers' shards
+    try:
+        if num_proc > 1:
+            tokenized = _parallel_map(raw, fn_kwargs, features, num_proc, scratch)
+        else:
+            tokenized = raw.map(_tokenize_batch, batched=True, remove_columns=["messages"], fn_kwargs=fn_kwargs,
+                                features=features, desc="tokenizing")
+        return _keep_usable(tokenized, conversations, report, folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _keep_usable(tokenized: Any, conversations: list[dict[str, Any]], report: Any, folder: Path) -> Any:
+    """The usable rows of `tokenized` (each dropped one counted in `report`), saved to the cache `folder`
+    through a temporary folder renamed when complete; the saved copy, memory-mapped."""
     for index, problem in enumerate(tokenized["problem"]):
         if problem:
             reason, _, detail = problem.partition(": ")
@@ -274,7 +345,6 @@ def build_dataset(
         raise ValueError(f"no rows with two consecutive supervised tokens in {report.summary()}")
     kept.info.description = report.to_json()
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         kept.save_to_disk(str(tmp))

@@ -23,10 +23,12 @@ from dflash.data.regenerate import prompt_turns, stop_token_ids
 from dflash.data.sources import load_conversations
 from dflash.evaluation.export import check_compatible, exported_folder, load_exported, trained_held_out_split, trained_target
 from dflash.evaluation.speculative import evaluate_speculative
+from dflash.files import write_atomic
 from dflash.runtime import load_target, resolve_device, resolve_dtype
 from dflash.target.tp_decode import decode_report, decode_session, eval_tensor_parallel, load_sharded_target
 
 log = logging.getLogger(__name__)
+REPORT_NAME = "eval.json"  # the default report, beside the draft (the training run's own is there too)
 
 
 def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts: int,
@@ -135,6 +137,29 @@ def check_writable(path: Path) -> None:
         pass
 
 
+def new_report_path(folder: Path) -> Path:
+    """`folder/eval.json`, or the first free `eval-N.json` (N from 2) when a report is there already: the
+    training run's (its summary.json names it) or an earlier evaluation's is never replaced by an evaluation
+    that did not name its output (`--out` does)."""
+    path, n = folder / REPORT_NAME, 2
+    while path.exists() or path.is_symlink():
+        path, n = folder / f"{Path(REPORT_NAME).stem}-{n}.json", n + 1
+    return path
+
+
+def write_new_report(folder: Path, text: str) -> Path:
+    """Write `text` to `new_report_path(folder)`, created afresh (exclusive create: never replacing a file nor
+    writing through a link; another evaluation that took the name meanwhile moves this one on); returns it."""
+    while True:
+        path = new_report_path(folder)
+        try:
+            with path.open("x") as f:
+                f.write(text)
+            return path
+        except FileExistsError:
+            continue
+
+
 def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "auto", num_prompts: int = 20,
              max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out: str | Path | None = None,
              held_out_size: int = 64, tensor_parallel: int | None = None, write: bool = True) -> dict[str, Any]:
@@ -142,10 +167,11 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
 
     Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
     launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.target.tp_decode`);
-    every rank returns the report, rank 0 writes it. `prompts`: see `eval_conversations`. `write=False`: only
-    return the report (`dflash eval --engine vllm` writes it inside its own, `engine_eval.run_engine_eval`)."""
+    every rank returns the report, rank 0 writes it: to `out` (replaced), else to `new_report_path` (DRAFT/eval.json,
+    or eval-N.json beside an earlier report). `prompts`: see `eval_conversations`. `write=False`: only return the
+    report (`dflash eval --engine vllm` writes it inside its own, `engine_eval.run_engine_eval`)."""
     draft_dir = exported_folder(draft_dir)  # an export or a run folder's; what --draft is otherwise, said now
-    path = Path(out) if out else Path(draft_dir) / "eval.json"
+    path = Path(out) if out else new_report_path(Path(draft_dir))
     if write and (not dist.is_initialized() or dist.get_rank() == 0):
         check_writable(path)  # the report is written after minutes of decoding: a bad --out fails now
     conversations = eval_conversations(prompts, draft_dir, held_out_size)  # before any weight is read
@@ -165,6 +191,11 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
                                        max_new_tokens=max_new_tokens)
     report = decode_report(model, run) if tp > 1 else run(model)
     if write and (not dist.is_initialized() or dist.get_rank() == 0):
-        path.write_text(json.dumps(report, indent=2))
-        log.info("wrote %s", path)
+        text = json.dumps(report, indent=2)
+        if out:
+            write_atomic(path, text)  # the path the user named: replaced
+        else:
+            path = write_new_report(Path(draft_dir), text)
+        log.info("wrote %s%s", path, "" if out or path.name == REPORT_NAME else
+                 f" (the earlier {Path(draft_dir) / REPORT_NAME} is kept; --out names the report's path)")
     return report

@@ -55,6 +55,8 @@ Three more keys, for readers that need them:
 * `dflash_config.held_out_split`: the data settings that chose the run's held-out conversations
   (`DataSettings.held_out_split`), absent without a held-out split; `dflash eval` decodes those prompts by
   default, so its τ is on the run's own end-of-run evaluation prompts. Serving engines ignore both.
+* `dflash_weights_sha256` (top level): the sha256 of `model.safetensors`, verified by `load_exported`; it also
+  marks the folder as a dflash export, which `dflash export` may write into again (`export_folder`).
 
 `dflash export` reads a `DFlashTrainer` checkpoint (or run folder) and a `transformers.Trainer`
 checkpoint folder: `DFlashHFTrainer`'s (this format plus `TRAINER_DRAFT_NAME`, the draft in its
@@ -71,10 +73,18 @@ from typing import Any
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from dflash.config import HELD_OUT_SPLIT_KEYS
+from dflash.evaluation.export_folder import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_export_folder,
+    verify_weights,
+    warn_stale_reports,
+    write_export_files,
+)
 from dflash.kinds.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash.kinds.dflash2 import dflash2_weight_names, is_dflash2
 from dflash.kinds.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
@@ -94,8 +104,6 @@ from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.run.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
 from dflash.target.frozen import hf_model_of
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 # In a transformers.Trainer checkpoint of DFlashHFTrainer: the draft's weights in its training dtype (fp32
 # master weights by default), published names; what an exact resume loads (the bf16 file is for serving).
 TRAINER_DRAFT_NAME = "dflash_draft_state.safetensors"
@@ -215,12 +223,7 @@ def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_d
     extra = sorted(set(state) - expected)
     if missing or extra:  # the trainer's names must be the published ones: never write a wrong file
         raise ValueError(f"draft parameters do not match the published names: missing {missing}, unexpected {extra}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    config = export_config(cfg, dtype, target=target, held_out=held_out)
-    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    return write_export_files(state, export_config(cfg, dtype, target=target, held_out=held_out), Path(out_dir))
 
 
 def trained_target(draft_dir: str | Path) -> str | None:
@@ -260,12 +263,21 @@ def trainer_checkpoint_draft(folder: str | Path) -> DFlashDraftModel | None:
     return None
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> tuple[Path, Path]:
+def export_checkpoint(path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> tuple[Path, Path]:
     """`dflash export PATH OUT`: (the checkpoint read, the export written). PATH is a `transformers.Trainer`
     checkpoint folder, a `DFlashTrainer` checkpoint folder, or a run folder (its newest intact checkpoint);
     the target comes from the folder's own config.json, or the run's config.yaml. Only weights and configs
-    are read (no optimizer state)."""
-    path = Path(path)
+    are read (no optimizer state). OUT must be new, empty or an earlier export unless `overwrite`
+    (`export_folder.check_export_folder`: checked before any weight is read)."""
+    path, out = Path(path), Path(out_dir)
+    before = check_export_folder(out, overwrite=overwrite)
+    folder, written = _export_checkpoint(path, out)
+    warn_stale_reports(written, before)
+    return folder, written
+
+
+def _export_checkpoint(path: Path, out_dir: Path) -> tuple[Path, Path]:
+    """`export_checkpoint` once its output folder is accepted."""
     draft = trainer_checkpoint_draft(path) if path.is_dir() else None
     if draft is not None:  # its config.json names the target (kept in the draft config's extra keys)
         return path, export_draft(draft, out_dir)
@@ -352,10 +364,13 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
     DFlash 2 keys, else a `DFlashDraftModel`.
 
     The tensor names must be exactly the model's (the error lists missing and unexpected names);
-    shapes must match the config. With `target_model`, `check_compatible` runs first.
+    shapes must match the config; then the weights file must match the checksum config.json records
+    (`export_folder.verify_weights`: an older export without one loads with a warning). With `target_model`,
+    `check_compatible` runs first.
     """
     folder = exported_folder(path)
-    cfg = draft_config_from_json(json.loads((folder / CONFIG_NAME).read_text()))
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    cfg = draft_config_from_json(config)
     if target_model is not None:
         check_compatible(cfg, target_model)
     model = draft_model_for_config(cfg)
@@ -377,6 +392,8 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
     bad = [f"{n}: file {tuple(t.shape)} vs config {wanted[n]}" for n, t in state.items() if tuple(t.shape) != wanted[n]]
     if bad:
         raise ValueError("tensor shapes do not match config.json: " + "; ".join(bad))
+    # a file of the right names and shapes may still have changed since export: a flipped byte is refused, not run
+    verify_weights(folder, config)
     model.load_state_dict(state, strict=True)
     return model.to(device=device, dtype=dtype).eval()
 

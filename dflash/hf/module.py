@@ -155,8 +155,10 @@ class DFlashTrainingModule(nn.Module):
             self._generator = torch.Generator(device=device)
         return self._generator
 
-    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
-        """Anchors `[B, N]`, keep `[B, N]` and targets of the next micro-batch (advances the counter).
+    def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+        """Anchors `[B, N]`, keep `[B, N]` and targets of the next micro-batch (advances the counter);
+        `position_ids` `[B, S]`: packed rows (`dflash.data.packing`).
 
         Training: seeded by `(seed, rank, micro_step)`, as `DFlashTrainer` seeds step*accum+index.
         Eval: seeded by `(seed + 1, 0, batch index within the evaluation)`.
@@ -167,20 +169,21 @@ class DFlashTrainingModule(nn.Module):
             self.micro_step += 1
         else:
             generator = reseed(generator, self.seed + 1, 0, self.eval_batches)
-        return self.objective.plan(input_ids, loss_mask, generator)
+        return self.objective.plan(input_ids, loss_mask, generator, position_ids=position_ids)
 
     # ---- forward -----------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, dflash_plan: MicroBatchPlan | None = None,
-                return_loss: bool = True) -> DFlashModelOutput:
-        """Loss of one micro-batch. input_ids `[B, S]` long, loss_mask `[B, S]` bool/int.
+                return_loss: bool = True, position_ids: torch.Tensor | None = None) -> DFlashModelOutput:
+        """Loss of one micro-batch. input_ids `[B, S]` long, loss_mask `[B, S]` bool/int; position_ids `[B, S]`:
+        packed rows (`training_rows(rows, config.data)` under `data.packing`; the collator gives them).
 
         Without `dflash_plan` (plain Trainer): `Σ w·CE / Σ w` of this micro-batch. With it
         (`DFlashHFTrainer`): `Σ w·CE · plan.loss_scale`, this micro-batch's share of the global mean.
         `return_loss` exists so the Trainer's evaluation asks for the loss (no `labels` column).
         """
         if dflash_plan is None:
-            anchors, keep, targets = self.plan(input_ids, loss_mask)
+            anchors, keep, targets = self.plan(input_ids, loss_mask, position_ids)
             scale = 1.0 / targets.weights.sum().clamp(min=1e-6)
         else:
             anchors, keep, targets, scale = dflash_plan.anchors, dflash_plan.keep, dflash_plan.targets, dflash_plan.loss_scale

@@ -177,7 +177,9 @@ class DFlashHFTrainer(Trainer):
         for batch in batches:
             ids = batch["input_ids"].to(device, non_blocking=True)  # already there: a no-op
             mask = batch["loss_mask"].to(device, non_blocking=True)
-            plans.append(module.plan(ids, mask))
+            positions = batch.get("position_ids")  # packed rows (data.packing)
+            positions = None if positions is None else positions.to(device, non_blocking=True)
+            plans.append(module.plan(ids, mask, position_ids=positions))
         scale, _ = window_loss_scale([t for _, _, t in plans], self.accelerator.num_processes)
         for batch, (anchors, keep, targets) in zip(batches, plans, strict=True):
             batch["dflash_plan"] = MicroBatchPlan(anchors, keep, targets, scale)

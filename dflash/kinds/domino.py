@@ -207,12 +207,13 @@ class DominoObjective(DFlashObjective):
     # ---- blocks ---------------------------------------------------------------------------
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
-             num_anchors: int | None = None, rows: GlobalRows | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+             num_anchors: int | None = None, rows: GlobalRows | None = None,
+             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
         """DFlash's plan, plus the scheduled-sampling draws from the same generator (after the anchors; over
         the global batch's rows, like the anchors, when `rows` is given).
         Evaluation (eval mode) draws none: the GRU reads labels, which is what serving's GRU reads along
         an accepted prefix, the only part the accepted length depends on."""
-        anchors, keep, targets = super().plan(input_ids, loss_mask, generator, num_anchors, rows)
+        anchors, keep, targets = super().plan(input_ids, loss_mask, generator, num_anchors, rows, position_ids)
         if self.scheduled_sampling == 0 or not self.training:
             return anchors, keep, targets
         # Drawn at the full width N and cut to this batch's width, so a host-bounded width draws for each

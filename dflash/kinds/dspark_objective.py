@@ -46,19 +46,22 @@ from dflash.target.frozen import Target, greedy_labels
 class LastHiddenTarget(Protocol):
     """A target that gives its final-norm last hidden state with its features (DSpark's L1 term reads it)."""
 
-    def features_and_last_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[B, S]` ids -> (features `[B, S, K*H]`, final-normed last hidden state `[B, S, H]`), no grad."""
+    def features_and_last_hidden(self, input_ids: torch.Tensor,
+                                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, S]` ids -> (features `[B, S, K*H]`, final-normed last hidden state `[B, S, H]`), no grad; packed
+        rows' `position_ids` `[B, S]` (restarting per document) confine attention to each document."""
 
 
 def dspark_block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                         block_size: int, gamma: float | None) -> BlockTargets:
+                         block_size: int, gamma: float | None, position_ids: torch.Tensor | None = None) -> BlockTargets:
     """DSpark's labels, weights and validity, all `[B, N, bs + 1]` (index j: the token at a + j; module doc).
 
     DFlash's targets of a span of bs + 1, with validity cut at the first invalid label (DeepSpec's
     `build_eval_mask` cumprod): a decoder never verifies a slot past a rejected one."""
-    t = block_targets(input_ids, loss_mask, anchors, keep, block_size + 1, gamma)
+    t = block_targets(input_ids, loss_mask, anchors, keep, block_size + 1, gamma, position_ids)
     valid = torch.cat([t.valid[..., :1], t.valid[..., 1:].long().cumprod(dim=-1).bool()], dim=-1)
-    return BlockTargets(labels=torch.where(valid, t.labels, 0), weights=torch.where(valid, t.weights, 0.0), valid=valid)
+    return BlockTargets(labels=torch.where(valid, t.labels, 0), weights=torch.where(valid, t.weights, 0.0), valid=valid,
+                        position_ids=position_ids)
 
 
 # ---- the two distribution terms, chunked over tokens ------------------------------------------------
@@ -204,24 +207,30 @@ class DSparkObjective(DFlashObjective):
         self.ce_alpha, self.l1_alpha, self.confidence_alpha = ce_alpha, l1_alpha, confidence_alpha
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
-             num_anchors: int | None = None, rows: GlobalRows | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
+             num_anchors: int | None = None, rows: GlobalRows | None = None,
+             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
         """`DFlashObjective.plan` with DSpark's targets `[B, N, bs + 1]` (`dspark_block_targets`)."""
-        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows)
-        return anchors, keep, dspark_block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma)
+        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows,
+                                       position_ids=position_ids)
+        return anchors, keep, dspark_block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma,
+                                                   position_ids)
 
     def block_states(self, input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
                      targets: BlockTargets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(draft states `[B, N, bs, H]`, the target's last hidden state at each slot's position a + k
         `[B, N, bs, H]`, labels `[B, N, bs + 1]`) from one run of every target layer."""
         bsz, seq_len = input_ids.shape
+        position_ids = targets.position_ids  # packed rows' documents (None: one a row)
         with torch.autocast(input_ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            features, last = self.target.features_and_last_hidden(input_ids)
+            packed = {} if position_ids is None else {"position_ids": position_ids}  # stand-ins take whole rows
+            features, last = self.target.features_and_last_hidden(input_ids, **packed)
             # Under labels: target the draft learns the target's greedy next tokens, read off the same state.
             labels = (block_labels(greedy_labels(input_ids, last, self.target.lm_head_weight), anchors, targets.valid)
                       if self.labels == "target" else targets.labels)
-            block_ids, positions = self.block_inputs(input_ids, anchors)
-            hidden = self.draft_call(self.target.embed(block_ids), positions, self.mask(anchors, keep, seq_len),
-                                     target_hidden=features)  # [B, N*bs, H]
+            block_ids, positions = self.block_inputs(input_ids, anchors, position_ids)
+            hidden = self.draft_call(self.target.embed(block_ids), positions,
+                                     self.mask(anchors, keep, seq_len, position_ids), target_hidden=features,
+                                     ctx_position_ids=position_ids)  # [B, N*bs, H]
         at, _ = block_positions(anchors, self.block_size, seq_len)  # a + k, clamped: weight 0 where it is past S
         state = last.gather(1, at.flatten(1).unsqueeze(-1).expand(-1, -1, last.shape[-1]))
         shape = (bsz, anchors.shape[1], self.block_size, -1)

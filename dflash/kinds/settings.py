@@ -10,6 +10,10 @@ from typing import Literal
 
 SelectorGold = Literal["strict", "insert"]  # DFlash 2: the selector loss where the gold token is not a candidate
 
+# The `TrainConfig` sections of the kinds, each named like the `draft.kind` that alone reads it (`dflash.factory`):
+# a key of another kind's section set by the user is refused (`dflash.config_checks.other_kind_error`).
+KIND_SECTIONS = ("domino", "dflash2", "dspark")
+
 
 @dataclass
 class DominoSettings:

@@ -6,25 +6,32 @@ long phase (regeneration, held-out and speculative evaluation, training) draws i
 * `launch_banner(...)`: one block, printed once by rank 0 when a run starts, naming what runs where.
 * `ProgressBar` / `progress(iterable, ...)`: a tqdm bar with the console log handlers redirected through
   `tqdm.write` while it is open, so log lines never tear it; shown on rank 0 only, and not at all after
-  `set_progress_bars(False)` (what `progress_bar: false` does).
+  `set_progress_bars(False)` (what `progress_bar: false` does). Given a deadline (the training bar under
+  `time_budget_minutes`), its ETA is the sooner of the steps' and the budget's end.
 * `quiet_datasets()`: `datasets`' own map/filter bars off while dflash prepares data.
 * `show_logs_in_notebook()`: under a Jupyter kernel with no logging configured, dflash's INFO lines are
   printed in the cell (Python shows only warnings by default).
+* `start_of_run(...)`: what `fit` does first; it returns the run's `PhaseTimer` (`dflash.report.phases`).
 * `summary_table(summary)`: the short human table `dflash train` prints at the end.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 from tqdm.std import TqdmWarning
+from tqdm.std import tqdm as std_tqdm
+
+from dflash.report.phases import PhaseTimer
 
 with warnings.catch_warnings():  # a notebook without ipywidgets gets text bars, which work: no warning about it
     warnings.simplefilter("ignore", TqdmWarning)
@@ -62,11 +69,20 @@ def _is_console(handler: logging.Handler) -> bool:
 class ProgressBar:
     """A tqdm bar (`tqdm.auto`: a widget in notebooks) that routes the console log handlers of the "dflash"
     and root loggers through `tqdm.write` until `close()`. Disabled on ranks other than 0 and after
-    `set_progress_bars(False)`; then `update` and `set_postfix_str` do nothing."""
+    `set_progress_bars(False)`; then `update` and `set_postfix_str` do nothing.
+
+    `deadline` (a `time.monotonic()` value: `StopRequest.deadline` under `time_budget_minutes`) ends the loop
+    before `total` when the steps are slow: the bar's ETA is then `eta()`, the sooner of the two ends, marked
+    "(time budget)" when the budget's is sooner. tqdm's own ETA counts steps alone, and showed 37 minutes for a
+    run its 1.5-minute budget ended."""
 
     def __init__(self, total: int | None, *, desc: str, unit: str = "it", initial: int = 0,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, deadline: float | None = None) -> None:
         self.enabled = enabled and progress_enabled()
+        self.total, self.n = total, initial
+        self.clock: Callable[[], float] = time.monotonic  # the deadline's clock (a test sets its own)
+        self.deadline = deadline if deadline is not None and math.isfinite(deadline) else None
+        self._first: tuple[float, int] | None = None  # (clock, n) after the first update: see `eta`
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not self.enabled,
                         dynamic_ncols=True)
         loggers = [lg for lg in (log, logging.root) if any(_is_console(h) for h in lg.handlers)]
@@ -75,7 +91,29 @@ class ProgressBar:
         self._open = True
 
     def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.deadline is not None:
+            now = self.clock()
+            if self._first is None:
+                self._first = (now, self.n)
+            if self.enabled:  # the ETA goes into the format before tqdm draws this update
+                seconds, by_budget = self.eta(now)
+                shown = "?" if seconds is None else std_tqdm.format_interval(seconds) + (" (time budget)" if by_budget else "")
+                self.bar.bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<" + shown + ", {rate_fmt}{postfix}]"
         self.bar.update(n)
+
+    def eta(self, now: float | None = None) -> tuple[float | None, bool]:
+        """(seconds left, whether the time budget ends the loop first): the steps left at the rate since the first
+        update (the first step compiles: it would make every later estimate too long), or the time left before
+        `deadline` when that is sooner (or no rate is known yet: it bounds the wait). (None, False) with neither."""
+        now = self.clock() if now is None else now
+        budget = max(self.deadline - now, 0.0) if self.deadline is not None else None
+        steps = None
+        if self._first is not None and self.total is not None and self.n > self._first[1] and now > self._first[0]:
+            steps = (self.total - self.n) * (now - self._first[0]) / (self.n - self._first[1])
+        if budget is not None and (steps is None or budget < steps):
+            return budget, True
+        return steps, False
 
     def set_postfix_str(self, text: str) -> None:
         self.bar.set_postfix_str(text)
@@ -163,9 +201,10 @@ def launch_banner(config: Any, *, world_size: int, device: Any, dtype: Any, atte
     return "\n".join(lines)
 
 
-def start_of_run(config: Any, *, rank: int, world_size: int, device: Any, dtype: Any, attention: str) -> None:
+def start_of_run(config: Any, *, rank: int, world_size: int, device: Any, dtype: Any, attention: str) -> PhaseTimer:
     """What `DFlashTrainer.fit` does first: the run's progress bars on or off (`progress_bar`), and rank 0
-    logs the launch banner."""
+    logs the launch banner. Returns the run's `PhaseTimer`, its wall clock started (RUN/summary.json's
+    `wall_seconds` and `phases`)."""
     set_progress_bars(config.progress_bar)
     if rank == 0:
         dist = sys.modules.get("torch.distributed")
@@ -176,6 +215,7 @@ def start_of_run(config: Any, *, rank: int, world_size: int, device: Any, dtype:
                 backend = dist.get_backend_config()
         log.info(launch_banner(config, world_size=world_size, device=device, dtype=dtype, attention=attention,
                                backend=backend))
+    return PhaseTimer()
 
 
 # ---- what a run did ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash.config import Sink
 from dflash.files import write_atomic
+from dflash.report.phases import PhaseTimer, dflash_version, format_phases
 
 log = logging.getLogger("dflash")
 HISTORY_BACKUP = "metrics.before-resume.jsonl"  # the lines a resume went back past, until it ends past them
@@ -44,11 +45,13 @@ def window_metrics(flushed: dict[str, Any], elapsed: float, tokens: int, world_s
     One unit, input tokens per second (the rows of every batch at their padded length): `tokens_per_s`
     over all ranks (this rank's count times `world_size`: every rank takes as many rows per step, each
     batch padded to its own bucket, so it is within the buckets' spread) and `tokens_per_s_per_rank`;
-    `supervised_tokens_per_s` counts the supervised tokens of all ranks (exact: a flushed sum).
+    `supervised_tokens_per_s` counts the supervised tokens of all ranks (exact: a flushed sum); `step_ms` is the
+    window's wall time per step (its log flush included).
     `peak_bytes` (this rank's peak device memory so far, GPU only) is logged as `peak_memory_gib`."""
     per_rank = tokens / elapsed
     out = {**flushed, "tokens_per_s": per_rank * world_size, "tokens_per_s_per_rank": per_rank, "ranks": world_size,
-           "supervised_tokens_per_s": flushed["supervised_tokens"] / elapsed}
+           "supervised_tokens_per_s": flushed["supervised_tokens"] / elapsed,
+           **({"step_ms": 1000 * elapsed / flushed["steps"]} if flushed.get("steps") else {})}
     if peak_bytes is not None:
         out["peak_memory_gib"] = peak_bytes / 2**30
     if out.get("loss") == 0.0 and (out.get("nonfinite_skips") or out.get("empty_windows")):
@@ -72,9 +75,21 @@ def progress_postfix(metrics: dict[str, Any]) -> str:
     return f"loss={'n/a' if loss is None else f'{loss:.3f}'}, tau={metrics['tau']:.2f}, tok/s={metrics['tokens_per_s']:,.0f}"
 
 
-def write_summary(run_dir: str | Path, summary: dict[str, Any], *, enabled: bool = True) -> dict[str, Any]:
+def write_summary(run_dir: str | Path, summary: dict[str, Any], *, enabled: bool = True, timer: PhaseTimer | None = None,
+                  stopped_by: str | None = None) -> dict[str, Any]:
     """Write RUN/summary.json, the whole summary `fit` returns (the console shows a short table of it), when
-    `enabled` (rank 0); returns `summary`."""
+    `enabled` (rank 0); returns it. It gets `dflash_version`, and `timer`'s `wall_seconds` and `phases`
+    (`dflash.report.phases`), also logged in one line. `stopped_by`: the signal that stopped the run between
+    steps, its last step saved; the summary is marked `interrupted` with its `signal`, and the log line says what
+    is saved and how to go on (`dflash train` then prints the whole command: `dflash.cli.main.resume_command`)."""
+    summary = {**summary, **(timer.record() if timer is not None else {"dflash_version": dflash_version()})}
+    if stopped_by is not None:
+        checkpoint = summary.get("checkpoint")
+        log.info("stopped by signal %s at step %s; saved %s; to continue, run again with resume_from=latest (the same "
+                 "output_dir) or resume_from=%s", stopped_by, summary.get("steps"), checkpoint, checkpoint)
+        summary.update(interrupted=True, signal=stopped_by)
+    if timer is not None:
+        log.info("time: %s", format_phases(summary))  # the same figures as RUN/summary.json's
     if enabled:
         path = Path(run_dir) / SUMMARY_NAME
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ from safetensors.torch import save as safetensors_bytes
 from dflash.files import write_atomic
 from dflash.kinds.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
+from dflash.run.safe_load import header_problem, trainer_state_problems, weights_problem
 
 log = logging.getLogger(__name__)
 
@@ -271,23 +272,6 @@ def _marker(folder: Path) -> dict[str, Any]:
     return marker if isinstance(marker, dict) else {}
 
 
-def _safetensors_problem(path: Path) -> str | None:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or 8 + n > size:
-            return f"{path.name} is truncated ({size} bytes, shorter than its header)"
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            return f"{path.name} has a damaged header"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        return f"{path.name} is truncated ({size} of {8 + n + end} bytes)"
-    return None
-
-
 def _zip_problem(path: Path) -> str | None:
     size = path.stat().st_size
     try:
@@ -321,7 +305,7 @@ def damage(path: str | Path, files: tuple[str, ...] = FILES) -> str | None:
         saved, actual = sizes.get(name), (path / name).stat().st_size
         if saved is not None and saved != actual:
             return f"{name} is {actual} bytes, {saved} when it was saved (truncated or overwritten)"
-    problems = [_safetensors_problem(path / "draft.safetensors")]
+    problems = [header_problem(path / "draft.safetensors")]
     if "trainer_state.pt" in files:
         problems.append(_zip_problem(path / "trainer_state.pt"))
     problem = next((p for p in problems if p), None)
@@ -397,26 +381,32 @@ def checkpoint_folder(path: str | Path) -> Path:
     return _checkpoint(Path(path), f"checkpoint {str(path)!r}", DRAFT_FILES)
 
 
-def load_checkpoint_draft(path: str | Path, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """(draft_state, draft_config) of a checkpoint: its weights and config only, no optimizer state."""
+def load_checkpoint_draft(path: str | Path, device: torch.device | str = "cpu", draft: Any = None) -> tuple[dict, dict]:
+    """(draft_state, draft_config) of a checkpoint: its weights and config only, no optimizer state. The weights'
+    header is checked against the draft its draft_config.json describes, and `draft` (a resume's), before any tensor
+    is read (`safe_load.weights_problem`): a header declaring a huge tensor allocated all of it before any check."""
     path = Path(path)
-    try:
-        draft_state = load_file(str(path / "draft.safetensors"), device=str(device))
-    except Exception as e:  # safetensors' own error type names no file: say which one
-        raise CheckpointError(f"{path / 'draft.safetensors'} cannot be read: {e}") from None
     try:
         draft_config = json.loads((path / "draft_config.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path / 'draft_config.json'} cannot be read: {e}") from None
+    weights = path / "draft.safetensors"
+    if problem := weights_problem(weights, draft_config, draft):
+        raise CheckpointError(problem)
+    try:
+        draft_state = load_file(str(weights), device=str(device))
+    except Exception as e:  # safetensors' own error type names no file: say which one
+        raise CheckpointError(f"{weights} cannot be read: {e}") from None
     return draft_state, draft_config
 
 
 def load_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
     """A checkpoint's trainer_state.pt, unpickled with `weights_only=True`: tensors, containers and plain
-    values only, so a checkpoint from elsewhere cannot run code when it is loaded."""
+    values only, so a checkpoint from elsewhere cannot run code when it is loaded; its step and data position
+    whole numbers >= 0 (`safe_load.trainer_state_problems`)."""
     file = Path(path) / "trainer_state.pt"
     try:
-        return torch.load(file, map_location=device, weights_only=True)
+        state = torch.load(file, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{file} holds objects other than tensors and plain values, refused: loading it could "
@@ -424,11 +414,14 @@ def load_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> 
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{file} cannot be read: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") \
             from None
+    if problems := trainer_state_problems(state):  # values no run writes (a crafted or damaged file), never trained on
+        raise CheckpointError(f"{file} holds values out of range, not resumed: {'; '.join(problems)}")
+    return state
 
 
-def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> tuple[dict, dict, dict]:
-    """(draft_state, draft_config, trainer_state) of a complete checkpoint."""
-    draft_state, draft_config = load_checkpoint_draft(path, device)
+def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", draft: Any = None) -> tuple[dict, dict, dict]:
+    """(draft_state, draft_config, trainer_state) of a complete checkpoint; `draft`: the module it is loaded into."""
+    draft_state, draft_config = load_checkpoint_draft(path, device, draft)
     return draft_state, draft_config, load_trainer_state(path, device)
 
 

@@ -42,12 +42,13 @@ from typing import Any
 import torch.distributed as dist
 
 from dflash.files import write_atomic
+from dflash.report.phases import dflash_version
 from dflash.report.sinks import HISTORY_BACKUP, SUMMARY_NAME, last_step
 from dflash.run.checkpoint import OWN_CHECKPOINT_ENTRY, STEP_NAME, prepare_run_dir
 
 log = logging.getLogger("dflash")
 
-RUN_RECORD = "run.json"  # {"run_id", "created"}: written when a run claims a new or replaced folder
+RUN_RECORD = "run.json"  # {"run_id", "created", "dflash_version"}: written when a run claims a new or replaced folder
 LOCK_NAME = ".dflash.lock"
 # Everything a run writes at the folder's top level (a test checks a finished run's folder against it).
 RUN_ENTRIES = frozenset({RUN_RECORD, LOCK_NAME, HISTORY_BACKUP, "config.yaml", "metrics.jsonl", "checkpoints",
@@ -244,7 +245,8 @@ def claim(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> RunLock
             _remove_previous_run(run_dir, names)
         if not is_run_folder(run_dir):  # a new run or a replaced one
             write_atomic(run_dir / RUN_RECORD, json.dumps({"run_id": uuid.uuid4().hex,
-                                                           "created": time.strftime("%Y-%m-%d %H:%M:%S")}))
+                                                           "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                           "dflash_version": dflash_version()}))
     except BaseException:
         lock.release()
         raise

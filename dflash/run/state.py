@@ -33,6 +33,7 @@ from dflash.kinds.drafts import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 from dflash.optim import DraftOptimizers
 from dflash.run.checkpoint import CheckpointError
+from dflash.run.safe_load import shape_problems
 
 _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _LOAD = StateDictOptions(full_state_dict=True)
@@ -49,7 +50,8 @@ log = logging.getLogger("dflash")
 # overlapped schedule computes the same features as the unsplit one, tests/test_tensor_parallel.py).
 RUN_DEFINING = ("target", "draft.", "domino.", "dflash2.", "dspark.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
                 "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
-                "data.bucket_multiple", "data.labels", "data.regenerate", "tensor_parallel.size")
+                "data.bucket_multiple", "data.packing", "data.pack_length", "data.labels", "data.regenerate",
+                "tensor_parallel.size")
 NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes
 
 
@@ -114,7 +116,9 @@ def resume_record(path: Any, state: dict[str, Any], run_dir: Any) -> dict[str, A
     own = Path(path).resolve().parent.parent == Path(run_dir).resolve()
     return {"path": str(path), "step": int(state["step"]), "data_fingerprint": state.get("data_fingerprint"),
             "metrics_bytes": state.get("metrics_bytes") if own else None,
-            "metrics_crc32": state.get("metrics_crc32") if own else None}
+            "metrics_crc32": state.get("metrics_crc32") if own else None,
+            "data_position": (int(state["data_epoch"]), int(state["data_batches"])),
+            "world_size": int(state.get("world_size", 1))}
 
 
 def check_training_data(corpus: Any, config: Any, resumed: dict[str, Any] | None) -> str:
@@ -133,7 +137,24 @@ def check_training_data(corpus: Any, config: Any, resumed: dict[str, Any] | None
         raise ValueError(f"the training data differs from what checkpoint {resumed['path']} was trained on "
                          f"(content fingerprint {saved} -> {fingerprint}); resuming would not continue the same "
                          "run. Restore that data, or start a new run (init_from=an export warm-starts it)")
+    if resumed and resumed.get("data_position") is not None and len(dataset) // resumed.get("world_size", 1) >= rows:
+        check_data_position(resumed, len(dataset) // resumed.get("world_size", 1) // rows)
     return fingerprint
+
+
+def check_data_position(resumed: dict[str, Any], most_per_epoch: int) -> None:
+    """Refuse a resumed data position (`resume_record`'s (epoch, batches)) that no run of this data reaches: more
+    batches into an epoch than its rows make (`most_per_epoch`: rows per rank // rows per step, what unpacked rows
+    give; packed ones give fewer), or more epochs and batches than steps taken (a run takes one batch a step and
+    every epoch at least one; steps on batches of one's own, `train_step` in a notebook, take none). Such a position
+    (a crafted or damaged trainer_state.pt) was accepted, and the loader silently skipped to another epoch. Bounds
+    that hold whatever the loader's layout, so a real position is never refused."""
+    (epoch, batches), step = resumed["data_position"], resumed["step"]
+    if batches > most_per_epoch or epoch + batches > step:
+        raise CheckpointError(f"checkpoint {resumed['path']} holds a data position no run of this data reaches "
+                              f"(epoch {epoch}, batch {batches}, after {step} steps; an epoch of these rows is at most "
+                              f"{most_per_epoch} batches), not resumed: its trainer_state.pt was changed. Resume from "
+                              "another checkpoint, or start a new run (init_from=an export warm-starts it)")
 
 
 def full_draft_state(draft: nn.Module) -> dict[str, torch.Tensor]:
@@ -192,6 +213,24 @@ def check_loaded_state(path: Any, draft: nn.Module, draft_state: dict[str, Any],
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(f"checkpoint {path} does not fit this draft, not resumed: {shown}")
+
+
+def load_init_from(draft: nn.Module, exported: nn.Module, path: Any) -> None:
+    """Warm-start `draft` with the weights of `exported` (`init_from`'s export, read by `load_exported`), after
+    refusing an export of another draft: a ValueError naming the settings and tensors that differ and the fix.
+    torch's own error was a traceback of size mismatches."""
+    want, have = draft.state_dict(), exported.state_dict()
+    problems = shape_problems({k: ("", tuple(v.shape)) for k, v in have.items()},
+                              {k: tuple(v.shape) for k, v in want.items()})
+    if problems:
+        ours, theirs = draft.config.to_dict(), exported.config.to_dict()
+        settings = [f"{k} {theirs.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(ours) | set(theirs))
+                    if ours.get(k) != theirs.get(k) and not k.startswith("_")]
+        raise ValueError(f"init_from={path} is a draft of another shape than this run's, not loaded: "
+                         f"{'; '.join(problems[:4])}{'; ...' if len(problems) > 4 else ''}"
+                         + (f". The export has {'; '.join(settings[:6])}" if settings else "")
+                         + ". Set the draft settings (draft.*) of the export's run, or drop init_from")
+    draft.load_state_dict(have)
 
 
 def load_draft_state(draft: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -6,6 +6,9 @@ Signals. SIGTERM / SIGINT set a flag; the loop finishes its step, saves, and `df
 DataLoader workers ignore both (`dflash.data.loader.make_dataloader`), so a signal sent to the whole process
 group (`scancel`, preemption, `systemctl stop`, Ctrl-C) reaches the main process alone in effect.
 
+Epochs. `num_epochs` becomes a step count once the training set's size is known (`apply_num_epochs`, called by
+`fit`): `config.max_steps` is set to it, so the loop, the logs and the lr and Domino schedules all end there.
+
 Non-finite stop. The consecutive-skip counter lives on the device. With one process, `NonFiniteWatch`
 copies it to the host after each step without waiting (CPU: a host read; CUDA: an asynchronous 4-byte
 copy into pinned memory, read once its event reports it landed), so the run stops at the step that
@@ -29,6 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dflash.config import TrainConfig
+from dflash.optim import lr_at
 
 log = logging.getLogger("dflash")
 
@@ -138,3 +144,41 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def _passes(config: TrainConfig, train_rows: int, world_size: int) -> tuple[int, int]:
+    """(full batches an epoch, steps of `num_epochs` passes uncapped) for each of `world_size` processes."""
+    per_epoch = (train_rows // world_size) // (config.batch_size * config.optim.grad_accum)
+    return per_epoch, max(1, math.floor(config.num_epochs * per_epoch + 1e-9))  # 0.29 * 100 is 28.999...: 29
+
+
+def epoch_steps(config: TrainConfig, train_rows: int, world_size: int = 1) -> int | None:
+    """The optimizer steps of `config.num_epochs` passes over `train_rows` training rows (None without num_epochs):
+    each process plays `train_rows // world_size` rows an epoch in batches of `batch_size * grad_accum` rows, its last
+    partial batch dropped (`dflash.data.loader.ResumableSampler`, `make_dataloader`), so an epoch is that many full
+    batches; a fraction of an epoch rounds down, to 1 step at least. A `max_steps` changed from its default caps the
+    count (whichever comes first); left at its default it does not, so `num_epochs=3` alone trains 3 passes."""
+    if config.num_epochs is None:
+        return None
+    steps = _passes(config, train_rows, world_size)[1]
+    return min(steps, config.max_steps) if config.max_steps != TrainConfig.max_steps else steps
+
+
+def apply_num_epochs(trainer: Any, train_rows: int) -> None:
+    """With `num_epochs`: set `trainer.config.max_steps` (what the loop, the progress bar and the log lines read) to
+    `epoch_steps`, and restart the schedules built from the old count at the trainer's current step, so the lr's
+    warmup and cosine (`dflash.optim.lr_at`) and the objective's own (Domino's λ) end where training ends. `fit`
+    calls it once the training rows are known, before the first step (a CUDA graph captures the schedule later)."""
+    config = trainer.config
+    steps = epoch_steps(config, train_rows, trainer.world_size)
+    if steps is None:
+        return
+    per_epoch, passes = _passes(config, train_rows, trainer.world_size)
+    if trainer.rank == 0:
+        shared = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
+        capped = f"; max_steps={config.max_steps} stops it first" if steps < passes else ""
+        log.info("num_epochs=%g: %d steps (%d training rows%s: %d full batches of %d rows an epoch%s)", config.num_epochs,
+                 steps, train_rows, shared, per_epoch, config.batch_size * config.optim.grad_accum, capped)
+    config.max_steps = steps
+    trainer.lr.copy_(lr_at(trainer.step_t, config.optim, steps))
+    trainer.objective.bind_schedule(trainer.step_t, steps)

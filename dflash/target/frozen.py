@@ -14,11 +14,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from dflash.attention import dense_document_mask, flex_document_mask, resolve_attention
 from dflash.losses import head_logits
-from dflash.modeling import text_config_of
+from dflash.modeling import compiled_flex_attention, text_config_of
 
 
 class LayerCapture:
@@ -100,11 +103,21 @@ class Target(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """`[B, S]` token ids -> `[B, S, H]` frozen embeddings."""
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """`[B, S]` ids -> the features `[B, S, K*H]` of the K layers in `layer_ids` (no grad)."""
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`[B, S]` ids -> the features `[B, S, K*H]` of the K layers in `layer_ids` (no grad). `position_ids`
+        `[B, S]`: packed rows, positions restarting per document and attention inside each (`data.packing`)."""
 
-    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024, *,
+                            position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The features and the target's greedy next tokens `[B, S]` (`data.labels: target`)."""
+
+
+def refuse_packed_rows(position_ids: torch.Tensor | None, target: str) -> None:
+    """For targets that run whole rows only: packed rows (`position_ids`) are refused, naming the target. The run's
+    configuration is refused before this point (`data.packing` with offline features or a tensor-parallel target);
+    this is the direct caller's error."""
+    if position_ids is not None:
+        raise ValueError(f"{target} does not run packed rows (data.packing): set data.packing=false")
 
 
 def check_layer_types(text_config: Any) -> None:
@@ -183,9 +196,11 @@ class FrozenTarget(SharedHead, nn.Module):
     pre-norm output, which is what "output of decoder layer i" means for every i.)
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], attention: str = "auto") -> None:
+        """`attention`: how packed rows' document mask is applied (`draft.attention`: "auto" is flex on a GPU)."""
         super().__init__()
         check_target_accepted(model)
+        self.attention = attention
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -200,32 +215,38 @@ class FrozenTarget(SharedHead, nn.Module):
         return super().train(False)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenated features `[B, S, K*H]` of right-padded `input_ids` `[B, S]`.
 
         No attention mask is passed: the model is causal and padding sits at the end, so every real
         position is exact, and HF's padding-mask path would read the mask back to the host (a sync).
+        Packed rows (`position_ids` `[B, S]` restarting per document) get a document mask built on the device
+        (`document_attention`): no host read either.
         """
-        self._trunk(input_ids=input_ids, use_cache=False)
+        self._trunk(input_ids=input_ids, use_cache=False, **document_attention(position_ids, self.attention))
         return self._capture.features()
 
     @torch.no_grad()
-    def features_and_last_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_last_hidden(self, input_ids: torch.Tensor,
+                                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features `[B, S, K*H]` and the final-normed last hidden state `[B, S, H]` from one run of every
         layer (the same hooks give the features). DSpark's L1 term and `data.labels: target` read it."""
         if self._full is None:
             self._full = _truncated_decoder(self.model.get_decoder(), self.num_layers)
-        last = self._full(input_ids=input_ids, use_cache=False).last_hidden_state
+        mask = document_attention(position_ids, self.attention)
+        last = self._full(input_ids=input_ids, use_cache=False, **mask).last_hidden_state
         return self._capture.features(), last
 
     @torch.no_grad()
-    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024, *,
+                            position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and the target's own greedy next-token labels `[B, S]` (for `data.labels: target`).
 
         `labels[:, p]` = argmax of the target's logits at p - 1 (position 0 keeps its token). Runs all
-        layers and the LM head, in sequence chunks so `[B, S, V]` logits never exist at once.
+        layers and the LM head, in sequence chunks so `[B, S, V]` logits never exist at once. (In a packed
+        row the label at a document's first position comes from the previous document: no block reads it.)
         """
-        features, last = self.features_and_last_hidden(input_ids)
+        features, last = self.features_and_last_hidden(input_ids, position_ids)
         return features, greedy_labels(input_ids, last, self.lm_head_weight, chunk)
 
     features = forward
@@ -249,26 +270,68 @@ def greedy_labels(input_ids: torch.Tensor, last_hidden: torch.Tensor, lm_head_we
 CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 # A name registered with transformers' AttentionInterface but not with its mask functions: a decoder
 # whose config carries it skips mask construction (returns None), which otherwise reads the position
-# ids back to the host to detect packed sequences -- a sync in every step.
+# ids back to the host to detect packed sequences -- a sync in every step. Its function is
+# `_document_or_inner_attention`.
 _NO_MASK_IMPL = "dflash_causal_no_mask"
+
+
+def document_attention(position_ids: torch.Tensor | None, attention: str = "auto") -> dict[str, Any]:
+    """The keyword arguments that make a truncated decoder (`_truncated_decoder`) run packed rows: positions
+    restarting per document and a mask confining attention to each document, built on the device from the
+    positions (`attention` "flex", "auto" on a GPU: a flex `BlockMask`; else the dense boolean mask for SDPA,
+    which runs under a dispatch-level sync detector too). {} for unpacked rows.
+    transformers returns a 4-D mask as given, before looking for packed sequences (which reads the positions
+    back to the host)."""
+    if position_ids is None:
+        return {}
+    flex = resolve_attention(attention, position_ids.device) == "flex"
+    mask = flex_document_mask(position_ids) if flex else dense_document_mask(position_ids)
+    return {"position_ids": position_ids, "attention_mask": mask}
+
+
+def _document_or_inner_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The truncated decoder's attention: a flex `BlockMask` (packed rows on a GPU) runs flex attention, anything
+    else (no mask: causal; the dense document mask) the layer's own implementation (`dflash_inner_attention`)."""
+    if isinstance(attention_mask, BlockMask):
+        scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+        out = compiled_flex_attention()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    inner = ALL_ATTENTION_FUNCTIONS.get(module.config.dflash_inner_attention, sdpa_attention_forward)
+    return inner(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def _truncated_decoder(decoder: nn.Module, num_layers: int) -> nn.Module:
     """A shallow copy of an HF decoder that runs only its first `num_layers` layers (shared weights).
 
-    The copy's config names `_NO_MASK_IMPL`, so its forward builds no mask; its layers keep their own
-    config (the original implementation), and with no mask an sdpa/flash layer attends causally.
+    The copy's config names `_NO_MASK_IMPL`, so its forward builds no mask; its layers are shallow copies too
+    (the same parameters and hooks) whose submodules read that config, so their attention is
+    `_document_or_inner_attention`: with no mask the original implementation, causal; with a packed row's
+    document mask (`document_attention`) confined to each document.
     """
-    AttentionInterface.register(_NO_MASK_IMPL, sdpa_attention_forward)
+    AttentionInterface.register(_NO_MASK_IMPL, _document_or_inner_attention)
     trunk = copy.copy(decoder)
     trunk._modules = dict(decoder._modules)  # own module table, so the original keeps all its layers
-    trunk.layers = nn.ModuleList(list(decoder.layers)[:num_layers])
     trunk.config = copy.deepcopy(decoder.config)
     trunk.config.num_hidden_layers = num_layers
+    trunk.config.dflash_inner_attention = decoder.config._attn_implementation
     trunk.config._attn_implementation = _NO_MASK_IMPL
     if getattr(trunk.config, "layer_types", None) is not None:
         trunk.config.layer_types = list(trunk.config.layer_types)[:num_layers]
+    trunk.layers = nn.ModuleList(_reading_config(layer, decoder.config, trunk.config)
+                                 for layer in list(decoder.layers)[:num_layers])
     return trunk
+
+
+def _reading_config(module: nn.Module, config: Any, replacement: Any) -> nn.Module:
+    """A shallow copy of `module` (the same parameters, buffers and hooks) in which every submodule that reads
+    `config` reads `replacement` instead; the original modules are left as they were."""
+    clone = copy.copy(module)
+    if getattr(module, "config", None) is config:
+        clone.config = replacement
+    clone._modules = {name: None if child is None else _reading_config(child, config, replacement)
+                      for name, child in module._modules.items()}
+    return clone
 
 
 def resolve_mask_token_id(tokenizer: Any, vocab_size: int, requested: int | str | None = None) -> int:

@@ -62,14 +62,15 @@ class OfflineTarget(SharedHead, nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self._head
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         raise RuntimeError("OfflineTarget has no trunk: training from offline features takes the target's features "
                            "from each batch (batch['features'], dflash.data.feature_data); run the real target "
                            "(FrozenTarget) to compute them")
 
     features = forward
 
-    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024, *,
+                            position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("OfflineTarget has no trunk: the target's greedy labels come from the feature files "
                            "(written with labels=True, batch['labels'])")
 

@@ -42,6 +42,7 @@ from dflash.target.frozen import (
     checked_layer_ids,
     greedy_labels,
     hf_model_of,
+    refuse_packed_rows,
 )
 from dflash.target.offline import safetensors_weight_map
 from dflash.target.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
@@ -315,23 +316,28 @@ class TensorParallelTarget(SharedHead, nn.Module):
         return feats, decoder.norm(torch.cat(last) if len(last) > 1 else last[0])
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        """Concatenated features `[b, S, K*H]` of right-padded `input_ids` `[B, S]` (rows `rows`)."""
+    def forward(self, input_ids: torch.Tensor, rows: slice | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenated features `[b, S, K*H]` of right-padded `input_ids` `[B, S]` (rows `rows`); whole rows only."""
+        refuse_packed_rows(position_ids, "the tensor-parallel target")
         return self.hidden_states(input_ids, rows=rows)[0]
 
     @torch.no_grad()
-    def features_and_last_hidden(self, input_ids: torch.Tensor,
-                                 rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_last_hidden(self, input_ids: torch.Tensor, rows: slice | None = None,
+                                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features `[b, S, K*H]` and the final-normed last hidden state `[b, S, H]` of rows `rows`, from one
         run of every layer (as `FrozenTarget.features_and_last_hidden`)."""
+        refuse_packed_rows(position_ids, "the tensor-parallel target")
         return self.hidden_states(input_ids, rows=rows, all_layers=True)
 
     @torch.no_grad()
     def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024,
-                            rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            rows: slice | None = None, *,
+                            position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and the target's greedy next-token labels `[b, S]` of rows `rows` (as
         `FrozenTarget.features_and_greedy`: `labels[:, p]` = argmax of the logits at p - 1, position 0
         keeps its token). The LM head is whole, so only the kept rows' logits are computed."""
+        refuse_packed_rows(position_ids, "the tensor-parallel target")
         feats, last = self.features_and_last_hidden(input_ids, rows)
         return feats, greedy_labels(input_ids[rows or slice(None)], last, self.lm_head_weight, chunk)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash.target.frozen import SharedHead
+from dflash.target.frozen import SharedHead, refuse_packed_rows
 from dflash.target.tensor_parallel import TensorParallelTarget
 from dflash.target.tp_overlap import gather_group_batch, own_rows
 
@@ -63,22 +63,27 @@ class GroupBatchTarget(SharedHead, nn.Module):
         return self.target.layer_ids
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Features `[b, S, K*H]` of this rank's `input_ids` `[b, S]`."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Features `[b, S, K*H]` of this rank's `input_ids` `[b, S]` (whole rows only)."""
+        refuse_packed_rows(position_ids, "the tensor-parallel target")
         seq = input_ids.shape[1]
         return group_features(self.target, self._padded(input_ids))[0][:, :seq]
 
     @torch.no_grad()
-    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_greedy(self, input_ids: torch.Tensor, chunk: int = 1024, *,
+                            position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features `[b, S, K*H]` and greedy labels `[b, S]` of this rank's `input_ids` `[b, S]`."""
+        refuse_packed_rows(position_ids, "the tensor-parallel target")
         seq = input_ids.shape[1]
         feats, greedy = group_features(self.target, self._padded(input_ids), greedy=True, chunk=chunk)
         return feats[:, :seq], greedy[:, :seq]
 
     @torch.no_grad()
-    def features_and_last_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def features_and_last_hidden(self, input_ids: torch.Tensor,
+                                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Features `[b, S, K*H]` and the final-normed last hidden state `[b, S, H]` of this rank's `input_ids`
         `[b, S]`, from one TP forward over the group batch (DSpark's L1 term reads it)."""
+        refuse_packed_rows(position_ids, "the tensor-parallel target")
         seq = input_ids.shape[1]
         everything = gather_group_batch(self._padded(input_ids), self.target.group)
         feats, last = self.target.features_and_last_hidden(everything, own_rows(input_ids.shape[0], self.target.group))
