@@ -78,14 +78,12 @@ class DFlashTrainer:
     """
 
     def __init__(self, config: TrainConfig | None = None, *, target: Any = None, tokenizer: Any = None,
-                 dataset: Any = None, draft: DFlashDraftModel | None = None, frozen_target: Target | None = None,
-                 rank: int | None = None) -> None:
+                 dataset: Any = None, draft: DFlashDraftModel | None = None, frozen_target: Target | None = None) -> None:
         """`target`: an HF causal LM (else `config.target` is loaded); `draft`: instead of a fresh one;
         `frozen_target`: a target already frozen (benchmarks' `Target` stand-ins), which then needs `draft`."""
         self.config = config = config or TrainConfig()
         config.validate()
-        dist_rank, self.world_size = init_distributed()
-        rank = dist_rank if rank is None else rank
+        rank, self.world_size = init_distributed()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_run_settings(config, self.world_size, self.device, self.dtype)  # before any weight is read
@@ -135,7 +133,7 @@ class DFlashTrainer:
         self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
         # Step-level values are the same on every rank and flush() sums over ranks: one process adds them
         # (or 2 ranks would report one skipped update as 2 and stop after half the allowed consecutive skips).
-        self._adds_replicated_metrics = dist_rank == 0
+        self._adds_replicated_metrics = rank == 0
         self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
         self.held_out_peak = HeldOutPeak(config.batch_size * config.optim.grad_accum * self.world_size, warn=rank == 0)
         self.last_held_out: tuple[int, dict[str, Any]] = (-1, {})  # (step, `evaluate`'s figures) of the last one `fit` made
@@ -354,7 +352,8 @@ class DFlashTrainer:
             if watch.tripped:
                 raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
             return write_summary(run_dir, summary, enabled=self.rank == 0, timer=self.phases, stopped_by=stop.signal)
-        return finish_unless_stopped(lambda: self._finish(run_dir, corpus, reporter, summary), run_dir, summary, reporter)
+        return finish_unless_stopped(lambda: self._finish(run_dir, corpus, reporter, summary), run_dir, summary, reporter,
+                                     self.phases)  # a signal there: saved, the rest skipped; a full disk: exit 4
 
     def _train(self, corpus: Corpus, reporter: Reporter, stop: StopRequest, watch: NonFiniteWatch) -> dict[str, Any]:
         """The loop to `max_steps` (or a stop): log, evaluate and save at their intervals. Returns the last

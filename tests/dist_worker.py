@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from conftest import DFLASH2_HEAD, make_tiny_target, random_batch, tiny_config  # noqa: E402
+from helpers import DFLASH2_HEAD, make_tiny_target, random_batch, tiny_config  # noqa: E402
+
 from dflash.anchors import reseed, sample_anchors  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.factory import build_draft  # noqa: E402

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import continuation_batch, make_tiny_target, train_on_continuations
 
-from conftest import continuation_batch, make_tiny_target, train_on_continuations
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.chain import chain_tau_sums, reply_spans
 

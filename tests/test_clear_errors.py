@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_MASK_ID, make_tiny_target
 
-from conftest import TINY_MASK_ID, make_tiny_target
 from dflash.cli.main import main
 from dflash.data.features import save_shard
 from dflash.data.sources import load_conversations

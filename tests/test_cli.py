@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import check_speculative_report
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import check_speculative_report
 from dflash.cli.dry_run import plan
 from dflash.cli.main import main
 from dflash.config import TrainConfig

@@ -10,9 +10,9 @@ import types
 import datasets
 import pytest
 import torch
+from helpers import make_chat_target, make_tiny_target, tiny_config
 
 import dflash.report.console as console
-from conftest import make_chat_target, make_tiny_target, tiny_config
 from dflash.config import TrainConfig
 from dflash.data.regenerate import regenerate
 from dflash.evaluation.speculative import evaluate_speculative

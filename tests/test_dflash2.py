@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
+import helpers as fixtures
 import pytest
 import torch
+from helpers import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 
-import conftest as fixtures
-from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
 from dflash.evaluation import speculative as sp

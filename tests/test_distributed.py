@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import make_tiny_target, save_tiny_target, tiny_config
+from helpers import make_tiny_target, save_tiny_target, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # accelerate's multi-process launcher (torchrun underneath); on a CPU-only machine the ranks use gloo.
@@ -288,8 +287,8 @@ def test_a_dry_run_under_torchrun_prints_its_plan_once(tmp_path):
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflash"]
 
 
-@pytest.mark.parametrize(("packing", "mode"), [(False, "ddp"), (True, "ddp"), (True, "fsdp2")],
-                         ids=["rows-ddp", "packed-ddp", "packed-fsdp2"])
+@pytest.mark.parametrize(("packing", "mode"), [(False, "ddp"), (True, "ddp"), (True, "fsdp2"), (False, "tp2")],
+                         ids=["rows-ddp", "packed-ddp", "packed-fsdp2", "rows-tp2"])
 def test_torchrun_two_ranks_train_what_one_process_trains_on_the_concatenated_batch(tmp_path, packing, mode):
     """Through the real entry points: `torchrun ... -m dflash train` on 2 CPU processes with batch_size=2 against
     `dflash train` in one process with batch_size=4 (and grad_accum 2 on both: each micro-batch is one global
@@ -310,7 +309,8 @@ def test_torchrun_two_ranks_train_what_one_process_trains_on_the_concatenated_ba
         return [r["loss"] for r in read_history(out) if "loss" in r]
 
     two = tmp_path / "two"
-    proc = subprocess.run([*TORCHRUN, *_args(target, data, two, *common, "batch_size=2", f"distributed={mode}")], cwd=ROOT,
+    layout = "tensor_parallel.size=2" if mode == "tp2" else f"distributed={mode}"  # tp2: one group, the draft DDP
+    proc = subprocess.run([*TORCHRUN, *_args(target, data, two, *common, "batch_size=2", layout)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     one = tmp_path / "one"

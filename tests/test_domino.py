@@ -8,9 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-
-from conftest import (
+from helpers import (
     DOMINO_HEAD,
     TINY_VOCAB,
     continuation_batch,
@@ -19,6 +17,8 @@ from conftest import (
     tiny_config,
     train_on_continuations,
 )
+from safetensors import safe_open
+
 from dflash.diagnostics import forbid_syncs
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported

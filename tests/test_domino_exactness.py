@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.factory import build_objective
 from dflash.kinds.domino import DominoObjective
 from dflash.losses import accepted_prefix_length, block_positions

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make_tiny_target, random_batch, tiny_config
 
-from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.diagnostics import forbid_syncs
 from dflash.factory import build_objective
 from dflash.losses import dpace_weights

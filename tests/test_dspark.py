@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import datasets
+import helpers as fixtures
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TINY_MASK_ID, TINY_VOCAB, check_speculative_report, make_tiny_target, random_batch, tiny_config
 
-import conftest as fixtures
-from conftest import TINY_MASK_ID, TINY_VOCAB, check_speculative_report, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import sample_anchors
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig

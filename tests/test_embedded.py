@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
+from helpers import make_chat_target
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import make_chat_target
 from dflash import embedded
 from dflash.embedded import (
     EMBEDDED_MASK_TOKEN,

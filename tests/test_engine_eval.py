@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import vllm  # noqa: F401  CI installs vLLM: a missing engine fails this file here instead of skipping it
+from helpers import DFLASH2_HEAD, DOMINO_HEAD, make_tiny_target, tiny_config
 
-from conftest import DFLASH2_HEAD, DOMINO_HEAD, make_tiny_target, tiny_config
 from dflash.cli.main import main
 from dflash.embedded import embedded_target_dir
 from dflash.evaluation import engine_eval

@@ -33,7 +33,7 @@ REPLY_TOKENS, PROMPT_TOKENS = 12, 128  # max_model_len 140: within the tiny targ
 @pytest.fixture(scope="module")
 def engine_target_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama over the SmolLM2 tokenizer with 64-wide heads (vLLM's CPU attention has kernels for head
-    widths 32 and up, not the 16 of conftest's tiny target) and a peaked LM head (greedy ties are rare, so two
+    widths 32 and up, not the 16 of helpers' tiny target) and a peaked LM head (greedy ties are rare, so two
     engines' fp32 rounding does not part their replies)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 import yaml
+from helpers import DOMINO_HEAD, TINY_MASK_ID, make_chat_target, make_tiny_target, tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from conftest import DOMINO_HEAD, TINY_MASK_ID, make_chat_target, make_tiny_target, tiny_config
 from dflash.embedded import EMBEDDED_MASK_TOKEN, EMBEDDED_MASK_TOKEN_TEXT
 from dflash.evaluation.export import (
     CONFIG_NAME,

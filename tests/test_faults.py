@@ -42,9 +42,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chat_file, save_tiny_target
 from safetensors.torch import load_file
 
-from conftest import chat_file, save_tiny_target
 from dflash.cli.main import main
 
 MAX_STEPS, SAVE_EVERY, LOG_EVERY = 12, 3, 2

@@ -12,11 +12,11 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from helpers import make_tiny_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash.data.features as features_module
 import dflash.target.offline as offline_module
-from conftest import make_tiny_target
 from dflash.data.feature_data import FeatureCollator, FeatureDataset, check_manifest, read_manifest
 from dflash.data.features import MANIFEST, PARTIAL, estimate_bytes, write_features
 from dflash.data.loader import Collator
@@ -31,7 +31,7 @@ MAX_LENGTH = 24
 
 @pytest.fixture(scope="module")
 def target(target):
-    """conftest's tiny target, as the FrozenTarget of LAYERS that writes the features."""
+    """helpers' tiny target, as the FrozenTarget of LAYERS that writes the features."""
     return FrozenTarget(target, LAYERS)
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from helpers import make_tiny_target, random_batch, tiny_config
 
-from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.config import TrainConfig
 from dflash.factory import build_objective
 from dflash.precision import convert_to_fp8

@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import make_tiny_target, random_batch, tiny_config
 from safetensors import safe_open
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from conftest import make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_seed, sample_anchors
 from dflash.cli.main import main
 from dflash.config import OptimSettings, TrainConfig
@@ -368,6 +368,9 @@ def test_trainconfig_keys_that_trainingarguments_runs_must_agree_with_it(tmp_pat
         "device='cuda:0', but TrainingArguments.device=device(type='cpu')"]
     (muon,) = config_conflicts(TrainConfig(optim=OptimSettings(optimizer="muon")), _args(tmp_path))
     assert muon.startswith("optim.optimizer='muon', but TrainingArguments.optim=")  # the Trainer runs its own optimizer
+    assert config_conflicts(TrainConfig(num_epochs=2), _args(tmp_path)) == [  # the Trainer counts its own epochs
+        "num_epochs=2, but TrainingArguments.num_train_epochs=3.0"]
+    assert config_conflicts(TrainConfig(num_epochs=3), _args(tmp_path)) == []
 
     plain = _module()
     plain.train_config.max_steps = 50

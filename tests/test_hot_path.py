@@ -9,8 +9,8 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 
-from conftest import DFLASH2_HEAD, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import anchor_widths, bounded_width, valid_anchor_mask
 from dflash.data.loader import Collator
 from dflash.diagnostics import forbid_syncs

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_tiny_target, random_batch, tiny_config
 
-from conftest import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_tiny_target, random_batch, tiny_config
 from dflash.anchors import sample_anchors
 from dflash.losses import accepted_prefix_length, block_targets, linear_cross_entropy
 from dflash.metrics import Metrics

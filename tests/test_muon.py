@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DOMINO_HEAD, make_tiny_target, random_batch, tiny_config
 
-from conftest import DOMINO_HEAD, make_tiny_target, random_batch, tiny_config
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
 from dflash.optim import DraftOptimizers, Muon, build_optimizer, muon_matrices

@@ -76,7 +76,7 @@ def test_cells_are_plain_python_and_the_saved_outputs_are_one_run():
 
 
 def test_notebook_runs_end_to_end_on_a_tiny_configuration(tmp_path, monkeypatch):
-    from conftest import check_speculative_report  # here: run as a script, this file leaves torch's threads alone
+    from helpers import check_speculative_report  # here: run as a script, this file leaves torch's threads alone
 
     run_dir, plots = tmp_path / "run", tmp_path / "plots"
     monkeypatch.setenv("DFLASH_NOTEBOOK_TINY", "1")

@@ -11,10 +11,10 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from helpers import DFLASH2_HEAD, DOMINO_HEAD, make_tiny_target, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash.cli.features as features_command
-from conftest import DFLASH2_HEAD, DOMINO_HEAD, make_tiny_target, tiny_config
 from dflash.cli.main import main
 from dflash.config import TrainConfig
 from dflash.data.corpus import training_data

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
+from helpers import DFLASH2_HEAD, DOMINO_HEAD, TINY_VOCAB, make_tiny_target, tiny_config
 
-from conftest import DFLASH2_HEAD, DOMINO_HEAD, TINY_VOCAB, make_tiny_target, tiny_config
 from dflash.anchors import sample_anchors, valid_anchor_mask
 from dflash.attention import dense_document_mask
 from dflash.data.loader import Collator, ResumableSampler, padding_of, row_lengths, training_rows
@@ -182,9 +182,9 @@ def test_ranks_hold_contiguous_blocks_of_each_global_micro_batch():
 def test_the_dry_run_and_the_run_say_what_packing_does(tmp_path, capsys):
     """Through `dflash train`: the dry run counts packed sequences per step; the run trains on them (the padding it
     logs is the packed sequences'), and a packed run refuses offline features and a tensor-parallel target."""
+    from helpers import chat_file, save_tiny_target
     from test_cli import _args
 
-    from conftest import chat_file, save_tiny_target
     from dflash.cli.main import main
 
     target = tmp_path / "target"

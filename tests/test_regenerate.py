@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from filelock import FileLock
+from helpers import make_chat_target
 from transformers import LlamaForCausalLM
 
 import dflash.data.corpus as corpus
 import dflash.data.regenerate as regen
-from conftest import make_chat_target
 from dflash.config import DataSettings, TrainConfig
 from dflash.data.regenerate import prompt_id, prompt_turns, regenerate, stop_token_ids
 from dflash.data.sources import load_conversations
@@ -412,7 +412,8 @@ def test_other_weights_behind_the_same_target_name_never_reuse_its_replies(tmp_p
     """A retrained target saved to the same folder reused the old replies ("0 new rows, N reused") and the
     dry run called them cached: the draft trained on another model's text. The cache is keyed by the
     weights' fingerprint, in `dflash generate`, `dflash train` and the dry run alike."""
-    from conftest import chat_file, save_tiny_target
+    from helpers import chat_file, save_tiny_target
+
     from dflash.cli.main import main
 
     target = tmp_path / "tiny-llama"

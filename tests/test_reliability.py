@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from safetensors.torch import load_file
 from test_cli import _args
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from conftest import TINY_MASK_ID, TINY_VOCAB, make_tiny_target, random_batch, tiny_config
 from dflash.cli.main import main
 from dflash.report.sinks import read_history
 from dflash.run.checkpoint import find_latest, load_checkpoint

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chat_file
 from test_cli import _args
 
-from conftest import chat_file
 from dflash.cli.main import main
 from dflash.run.checkpoint import damage, find_latest
 
@@ -269,6 +269,7 @@ def test_a_signal_during_the_end_of_run_evaluation_ends_it_saved_with_the_interr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] and summary["signal"] == sig.name and summary["end_of_run_skipped"]
     assert "speculative" not in summary and (run / "export" / "model.safetensors").is_file()
+    assert {"training", "export"} <= set(summary["phases"]) and summary["wall_seconds"] > 0  # what ran, timed
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl, /proc")
@@ -447,8 +448,8 @@ def test_two_shards_of_one_folder_swapped_with_their_hashes_updated_are_refused(
     """Shards 0 and 1 of one folder exchanged, the manifest's entries (sha256, size) exchanged to match: each shard
     names its rows, so the swap is refused."""
     import datasets
+    from helpers import make_tiny_target
 
-    from conftest import make_tiny_target
     from dflash.data.feature_data import check_manifest
     from dflash.data.features import MANIFEST, write_features
     from dflash.target.frozen import FrozenTarget

@@ -133,7 +133,8 @@ def test_gpu_kernel_time_skips_annotation_ranges():
 def test_memory_breakdown_counts_gradients_only_when_alive_at_the_peak(monkeypatch):
     """Eager steps free the gradients after the update: when the step's peak comes in the forward pass,
     they hold none of it (the `a312745` breakdown counted all 1.95 GiB of them whatever the phase)."""
-    from conftest import make_tiny_target, random_batch, tiny_config
+    from helpers import make_tiny_target, random_batch, tiny_config
+
     from dflash.trainer import DFlashTrainer
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -187,7 +188,7 @@ def test_check_sync_free_two_processes():
 def test_compare_recipes_tiny(tmp_path):
     """Two variants share one loaded target; each is warmed (a discarded short run that measures its
     throughput), then trains for the first variant's time, evaluates (uniform and chain τ̂) and decodes."""
-    from conftest import check_speculative_report, save_tiny_target
+    from helpers import check_speculative_report, save_tiny_target
 
     save_tiny_target(tmp_path / "target")
     data = tmp_path / "chats.jsonl"
@@ -236,9 +237,8 @@ def test_bench_width_tiny():
 def test_bench_packing_runs_both_layouts_through_dflash_train(tmp_path):
     """`scripts/bench_packing.py` (docs/benchmarks.md's packing figures), CPU smoke: two `dflash train` runs, their
     windows and padding read back; packed rows carry more real tokens per slot than bucketed ones."""
+    from helpers import chat_file, save_tiny_target
     from test_cli import _args
-
-    from conftest import chat_file, save_tiny_target
 
     target = tmp_path / "target"
     save_tiny_target(target)

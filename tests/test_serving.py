@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_chat_target, make_tiny_target, tiny_config
 from safetensors.torch import load_file, save_file
 
-from conftest import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_chat_target, make_tiny_target, tiny_config
 from dflash.cli.main import main
 from dflash.embedded import EMBEDDED_MASK_TOKEN, EMBEDDED_MASK_TOKEN_TEXT
 from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, WEIGHTS_NAME, export_draft

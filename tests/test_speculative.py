@@ -6,8 +6,8 @@ import logging
 
 import pytest
 import torch
+from helpers import TINY_MASK_ID, TINY_VOCAB, check_speculative_report, make_tiny_target
 
-from conftest import TINY_MASK_ID, TINY_VOCAB, check_speculative_report, make_tiny_target
 from dflash.attention import dense_dflash_mask
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.evaluate import prompt_ids

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from helpers import DFLASH2_HEAD, make_tiny_target, random_batch, tiny_config
 
-from conftest import DFLASH2_HEAD, make_tiny_target, random_batch, tiny_config
 from dflash.diagnostics import SyncError, forbid_syncs
 from dflash.trainer import DFlashTrainer
 

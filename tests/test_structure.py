@@ -144,3 +144,24 @@ def test_the_layer_check_sees_a_planted_upward_import():
 
 def test_each_layer_imports_only_what_is_below_it():
     assert not (found := layer_violations(import_graph())), "imports against the layers: " + ", ".join(found)
+
+
+def _imports_conftest(source: str) -> bool:
+    """Whether a test module's source imports `conftest` as a module (pytest loads it by itself; helpers belong in
+    `tests/helpers.py`)."""
+    import ast
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "conftest":
+            return True
+        if isinstance(node, ast.Import) and any(alias.name == "conftest" for alias in node.names):
+            return True
+    return False
+
+
+def test_no_test_module_imports_conftest():
+    assert _imports_conftest("def f():\n    from conftest import tiny_config\n")  # a planted one is seen
+    assert _imports_conftest("import conftest as fixtures\n") and not _imports_conftest("from helpers import x\n")
+    tests = Path(__file__).resolve().parent
+    offenders = [p.name for p in sorted(tests.glob("*.py")) if p.name != "conftest.py" and _imports_conftest(p.read_text())]
+    assert offenders == []

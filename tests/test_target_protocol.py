@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from helpers import make_tiny_target, random_batch
 
-from conftest import make_tiny_target, random_batch
 from dflash.target import FrozenTarget, Target, hf_model_of
 from dflash.target.offline import OfflineTarget
 from dflash.target.tensor_parallel import TensorParallelTarget

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 from dist_worker import fixed_plan
+from helpers import check_speculative_report, make_tiny_target, tiny_config
 from tp_training_checks import LABELS, SAMPLED
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, Qwen3Config
 
-from conftest import check_speculative_report, make_tiny_target, tiny_config
 from dflash.cli.dry_run import plan
 from dflash.config import TrainConfig
 from dflash.factory import build_objective
@@ -54,7 +54,7 @@ def _per_schedule(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_features_last_hidden_and_greedy_equal_the_single_process_target(ranks):
-    """Tiny Llama (the conftest target; tied + biased), Qwen3 (untied, tied), Qwen2 (tied); layer
+    """Tiny Llama (the helpers target; tied + biased), Qwen3 (untied, tied), Qwen2 (tied); layer
     subsets; batches 4, 3 (odd) and 1; every schedule; on both ranks."""
     for rank, results in ranks.items():
         rows = _per_schedule(results["equality"])

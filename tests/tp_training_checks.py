@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dist_worker import fixed_plan
+from helpers import DFLASH2_HEAD, continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash.kinds.dspark_objective as dspark_module
 import dflash.objective as objective_module
-from conftest import DFLASH2_HEAD, continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
 from dflash.evaluation.evaluate import run_eval

@@ -33,7 +33,7 @@ TRAINER_OWNS = {
     "optim.beta2": "adam_beta2", "optim.eps": "adam_epsilon", "optim.max_grad_norm": "max_grad_norm",
     "optim.grad_accum": "gradient_accumulation_steps", "optim.warmup_ratio": "warmup_steps",
     "optim.min_lr_ratio": "lr_scheduler_kwargs", "max_steps": "max_steps", "batch_size": "per_device_train_batch_size",
-    "seed": "seed", "device": "device", "optim.optimizer": "optim",
+    "seed": "seed", "device": "device", "optim.optimizer": "optim", "num_epochs": "num_train_epochs",
 }
 
 

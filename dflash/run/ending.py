@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash.report.phases import PhaseTimer
 from dflash.report.sinks import write_summary
 
 log = logging.getLogger("dflash")
@@ -76,13 +77,13 @@ class EndOfRunSignals:
 
 
 def finish_unless_stopped(finish: Callable[[], dict[str, Any]], run_dir: str | Path, summary: dict[str, Any],
-                          reporter: Any) -> dict[str, Any]:
+                          reporter: Any, timer: PhaseTimer | None = None) -> dict[str, Any]:
     """`finish()` (the trainer's end-of-run work, which fills `summary` and returns it), under SIGTERM / SIGINT
     handlers: a signal ends it at once. Then the run ends as an interrupted one: the log line says it is saved, what
     finished and what was skipped; `reporter` (`dflash.report.sinks.Reporter`) is closed and RUN/summary.json written
     with `interrupted` and `signal` where the reporter writes (rank 0), and that summary is returned (`dflash train`
-    exits 128 + the signal). A failed write into `run_dir` (the export on a full disk) is an `EndOfRunWriteError`
-    naming the file, the cause and the intact checkpoint."""
+    exits 128 + the signal; `timer`'s phases go into it as a finished run's do). A failed write into `run_dir` (the
+    export on a full disk) is an `EndOfRunWriteError` naming the file, the cause and the intact checkpoint."""
     with EndOfRunSignals():
         try:
             return finish()
@@ -103,7 +104,7 @@ def finish_unless_stopped(finish: Callable[[], dict[str, Any]], run_dir: str | P
                 "end-of-run work was skipped (run it with: %s)", stopped, summary.get("checkpoint"), done, later)
     reporter.close()
     return write_summary(run_dir, {**summary, "interrupted": True, "signal": stopped, "end_of_run_skipped": True},
-                         enabled=getattr(reporter, "enabled", True))
+                         enabled=getattr(reporter, "enabled", True), timer=timer)
 
 
 def _write_failure(e: BaseException, run_dir: Path) -> tuple[str, str] | None:
