@@ -11,15 +11,15 @@ import logging
 import sys
 from typing import Any
 
-__version__ = "0.1.0"
+from dflash.version import __version__
 
 _LAZY = {
     "sample_anchors": "dflash.anchors",
     "DFlashDraftConfig": "dflash.modeling",
     "DFlashDraftModel": "dflash.modeling",
-    "FrozenTarget": "dflash.target.frozen",
-    "TensorParallelTarget": "dflash.target.tensor_parallel",
-    "GroupBatchTarget": "dflash.target.tp_group",
+    "FrozenTarget": "dflash.target_model.frozen",
+    "TensorParallelTarget": "dflash.target_model.tensor_parallel",
+    "GroupBatchTarget": "dflash.target_model.tp_group",
     "TrainConfig": "dflash.config",
     "DFlashTrainer": "dflash.trainer",
     "forbid_syncs": "dflash.diagnostics",

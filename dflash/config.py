@@ -17,12 +17,15 @@ from typing import Any, Literal
 import yaml
 
 from dflash.config_checks import other_kind_error, section_error, target_layer_errors, unknown_key_hint, yaml_problem
-from dflash.kinds.settings import DFlash2Settings, DominoSettings, DSparkSettings
+from dflash.kinds.dflash2 import DFlash2Settings
+from dflash.kinds.domino import DominoSettings
+from dflash.kinds.dspark import DSparkSettings
+from dflash.kinds.registry import KIND_NAMES, KINDS, kind_named
 from dflash.presets import embedded_preset
 
 # The choices of a key are its type: `_convert` refuses others when a key is set, `validate` when a field
 # was assigned in code, both from the Literal (`choice_errors`), and `dflash config` lists them.
-Kind = Literal["dflash", "domino", "dflash2", "dspark"]
+Kind = Literal[KIND_NAMES]  # the registry's kinds (`dflash.kinds.registry`): a kind added there is a choice here
 Attention = Literal["auto", "sdpa", "flex"]
 PositionWeights = Literal["decay", "dpace", "none"]
 Labels = Literal["data", "target"]
@@ -184,7 +187,8 @@ class TrainConfig:
     spec_eval_interval_prompts: int = 0  # also run real speculative tau on this many prompts at every eval_interval
 
     def validate(self) -> None:
-        """Range-check every numeric option at start (a bad value must not fail at step 10,000)."""
+        """Range-check every numeric option at start (a bad value must not fail at step 10,000), and refuse what
+        the run's draft kind cannot do (`DraftKind.refusals`)."""
         checks = [
             (self.draft.num_layers >= 1, "draft.num_layers must be >= 1"),
             (self.draft.block_size >= 2, "draft.block_size must be >= 2 (slot 0 is the anchor)"),
@@ -193,22 +197,9 @@ class TrainConfig:
                                                                and self.draft.loss_decay_gamma > 0),
              "draft.loss_decay_gamma must be auto, a number > 0 or null (off)"),
             (self.draft.anchor_widths >= 1, "draft.anchor_widths must be >= 1 (1: always num_anchors)"),
-            (not (self.draft.position_weights == "dpace" and self.draft.kind == "domino"),
-             "draft.position_weights: dpace is for DFlash drafts (a Domino draft's mixed loss takes decay or none); "
-             "add draft.kind=dflash (the embedded default trains a Domino draft on a GPU)"),
             (0 <= self.draft.dpace_alpha <= 1, "draft.dpace_alpha must be in [0, 1]"),
-            (self.domino.emb_dim >= 1 and self.domino.gru_hidden_dim >= 1, "domino.emb_dim/gru_hidden_dim must be >= 1"),
-            (0 <= self.domino.pure_draft_prefix_len < self.draft.block_size - 1,
-             "domino.pure_draft_prefix_len must be in [0, block_size - 1)"),
-            (0 <= self.domino.lambda_start <= 1, "domino.lambda_start must be in [0, 1]"),
-            (0 < self.domino.decay_ratio <= 1, "domino.decay_ratio must be in (0, 1]"),
-            (0 <= self.domino.scheduled_sampling <= 1, "domino.scheduled_sampling must be in [0, 1]"),
-            *self._dflash2_checks(),
-            (self.dspark.markov_rank >= 1, "dspark.markov_rank must be >= 1"),
-            (self.dspark.loss_decay_gamma is None or self.dspark.loss_decay_gamma > 0,
-             "dspark.loss_decay_gamma must be > 0 or null (off)"),
-            (min(self.dspark.ce_alpha, self.dspark.l1_alpha, self.dspark.confidence_alpha) >= 0,
-             "dspark.ce_alpha/l1_alpha/confidence_alpha must be >= 0"),
+            # every kind's own section: a bad value is an error even when another kind trains
+            *(check for kind in KINDS if kind.section for check in kind.checks(getattr(self, kind.section), self.draft)),
             (self.optim.lr > 0, "optim.lr must be > 0"),
             (self.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
             (0 <= self.optim.beta1 < 1 and 0 <= self.optim.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)"),
@@ -258,25 +249,11 @@ class TrainConfig:
              "cuda_graph: false, or tensor_parallel.size: 1 for a target that fits one GPU"),
         ]
         errors = choice_errors(self) + [msg for ok, msg in checks if not ok]
+        if self.draft.kind in KIND_NAMES:  # else choice_errors names it
+            errors += kind_named(self.draft.kind).refusals(self.draft, self.data)  # what the kind cannot do
         errors += target_layer_errors(self.draft.target_layer_ids)
         if errors:
             raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
-
-    def _dflash2_checks(self) -> list[tuple[bool, str]]:
-        """`dflash2.*` ranges, and what a DFlash 2 draft does not support (refused at start, with the reason).
-        The hidden size's divisibility by conv_group_size and top_k <= vocab are checked when the draft is
-        built (`dflash.kinds.dflash2.DFlash2HeadConfig`): they need the target's config."""
-        d, is_d2 = self.dflash2, self.draft.kind == "dflash2"
-        return [
-            (1 <= d.conv_kernel_size <= self.draft.block_size, "dflash2.conv_kernel_size must be in [1, block_size]"),
-            (d.conv_group_size >= 1 and d.selector_rank >= 1, "dflash2.conv_group_size/selector_rank must be >= 1"),
-            (d.selector_top_k >= 1, "dflash2.selector_top_k must be >= 1"),
-            (d.selector_alpha >= 0, "dflash2.selector_alpha must be >= 0"),
-            (not (is_d2 and self.draft.position_weights == "dpace"),
-             "draft.position_weights: dpace is not implemented for DFlash 2 drafts (the selector loss takes the "
-             "planned position weights): use decay or none, or add draft.kind=dflash (the embedded default trains "
-             "a DFlash 2 draft on a CPU)"),
-        ]
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -317,8 +294,7 @@ class TrainConfig:
         for key, value in pairs:
             cfg.set(key, value)
         given = {key for key, _ in pairs}
-        # Published blocks: DeepSpec's DSpark drafts (7); z-lab's and SpecForge's Qwen DFlash 2 drafts (8)
-        published = {"dspark": 7, "dflash2": 8}.get(cfg.draft.kind)
+        published = kind_named(cfg.draft.kind).published_block_size  # the block size of the kind's published drafts
         unset = {"draft.block_size": published} if published else {}
         if presets and cfg.target == "embedded":
             unset.update(embedded_preset(cfg.device, given))  # the embedded budget (its block size too) wins
@@ -327,7 +303,8 @@ class TrainConfig:
                 cfg.set(key, value)
         cfg.validate()  # ranges first: a key out of range is named as such whichever kind reads it
         source = "" if "draft.kind" in given else ", the embedded preset's," if "draft.kind" in unset else ", the default,"
-        if (error := other_kind_error(cfg, pairs[:from_file], pairs[from_file:], kind_source=source)) is not None:
+        sections = tuple(kind.section for kind in KINDS if kind.section)
+        if (error := other_kind_error(cfg, pairs[:from_file], pairs[from_file:], sections, kind_source=source)) is not None:
             raise ValueError(error)  # another kind's keys, which would be silently ignored
         return cfg
 

@@ -4,8 +4,8 @@ list of ranges (kept here so config.py stays a list of settings).
 * `unknown_key_hint`: the "did you mean" of an unknown key, from the synonyms users of the HF Trainer and of
   SpecForge type (`learning_rate`, `per_device_train_batch_size`, `num_train_epochs`, ...), else the closest key.
 * `section_error`: a whole section (`draft`, `optim`, ...) given a value instead of a mapping (`draft: 2`).
-* `other_kind_error`: keys of a kind's section (`domino.*`, `dflash2.*`, `dspark.*`) that the run's `draft.kind`
-  never reads, refused instead of silently ignored.
+* `other_kind_error`: keys of another draft kind's section than the run's `draft.kind` (that kind never reads
+  them), refused instead of silently ignored.
 * `target_layer_errors`: `draft.target_layer_ids` out of order, repeated or negative (the serving engines read the
   target's layers in ascending order; `dflash export` would only warn after the run).
 """
@@ -18,8 +18,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import yaml
-
-from dflash.kinds.settings import KIND_SECTIONS
 
 # Names other trainers use for a dflash key: HF `TrainingArguments`, SpecForge's and EAGLE's scripts (their dashes
 # read as underscores), common shorthands. Only a suggestion in the unknown-key error: never an alias that is
@@ -117,18 +115,20 @@ def section_error(key: str, value: Any, section: Any) -> str:
             f"below it (`dflash config` lists the {key}.* keys)")
 
 
-def other_kind_error(config: Any, from_file: list[tuple[str, Any]], typed: list[tuple[str, Any]], *,
-                     kind_source: str = "") -> str | None:
+def other_kind_error(config: Any, from_file: list[tuple[str, Any]], typed: list[tuple[str, Any]],
+                     kind_sections: tuple[str, ...], *, kind_source: str = "") -> str | None:
     """One line refusing the keys the user set in another draft kind's section than `config.draft.kind`'s (that
-    kind never reads them), or None. `typed` (key=value overrides) all count; `from_file` (a YAML file's keys) only
-    away from their defaults, since a run's own config.yaml lists every section's keys and must load again.
-    `kind_source` says where the kind came from when the user did not set it (the preset's, the default)."""
+    kind never reads them), or None. `kind_sections` are the kinds' sections, each named as its kind (the caller
+    reads them from the registry, which sits above this module). `typed` (key=value overrides) all count;
+    `from_file` (a YAML file's keys) only away from their defaults, since a run's own config.yaml lists every
+    section's keys and must load again. `kind_source` says where the kind came from when the user did not set it
+    (the preset's, the default)."""
     kind, defaults = config.draft.kind, type(config)()
     settings = {k: v for k, v in from_file if value_at(config, k) != value_at(defaults, k)} | dict(typed)
     foreign: dict[str, list[str]] = {}
     for key, value in settings.items():
         section = key.split(".", 1)[0]
-        if "." in key and section in KIND_SECTIONS and section != kind:
+        if "." in key and section in kind_sections and section != kind:
             foreign.setdefault(section, []).append(f"{key}={value}")
     if not foreign:
         return None

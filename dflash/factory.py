@@ -1,10 +1,12 @@
-"""One place that turns a `TrainConfig` into a draft and its objective, for every draft kind, and
-the target they train against (replicated, sharded over a tensor-parallel group: `prepare_target`, or
-under `data.features` only its embedding and head: `offline_target`).
+"""One place that turns a `TrainConfig` into what a run trains: the draft and its objective, for every draft
+kind (from its record, `dflash.kinds.registry`: this module names no kind), and the target they train against
+(replicated, sharded over a tensor-parallel group: `prepare_target`, or under `data.features` only its embedding
+and head: `offline_target`; read from disk by `dflash.target_model.loading`), after refusing what the launch
+(`check_run_settings`) or the kind (`check_kind_support`) cannot run.
 
-It sits above `objective.py` and `domino.py` so neither has to know the other: the trainer, the
-`transformers.Trainer` module, the dry run (on the meta device) and `dflash features` build through
-here, so a Domino draft is sized the same way everywhere (storage rebuilds drafts through `drafts.py`).
+The trainer, the `transformers.Trainer` module, the dry run (on the meta device) and `dflash features` build
+through here, so a draft is sized the same way everywhere (checkpoints and exports rebuild theirs from the draft
+config: `registry.draft_model_for_config`).
 """
 
 from __future__ import annotations
@@ -21,22 +23,39 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.feature_data import check_run_features
 from dflash.embedded import EMBEDDED_MASK_TOKEN
-from dflash.kinds.dflash2 import DFlash2HeadConfig
-from dflash.kinds.dflash2_objective import DFlash2Objective
-from dflash.kinds.domino import DominoHeadConfig, DominoObjective
-from dflash.kinds.drafts import draft_model_for_config
-from dflash.kinds.dspark import DSparkHeadConfig
-from dflash.kinds.dspark_objective import DSparkObjective
+from dflash.kinds.record import DraftKind
+from dflash.kinds.registry import draft_model_for_config, kind_named
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.objective import DFlashObjective
-from dflash.runtime import load_target, load_target_config, load_tokenizer, target_location
-from dflash.target.frozen import FrozenTarget, Target, mask_token_text, resolve_mask_token_id
-from dflash.target.offline import OfflineTarget
-from dflash.target.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
-from dflash.target.tp_group import GroupBatchTarget
-from dflash.target.tp_overlap import schedule_for
+from dflash.target_model.frozen import FrozenTarget, Target, mask_token_text, resolve_mask_token_id
+from dflash.target_model.loading import load_target, load_target_config, load_tokenizer, target_location
+from dflash.target_model.offline import OfflineTarget
+from dflash.target_model.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
+from dflash.target_model.tp_group import GroupBatchTarget
+from dflash.target_model.tp_overlap import schedule_for
 
 log = logging.getLogger("dflash")
+
+
+def check_run_settings(config: TrainConfig, world_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Settings that this launch (its process count, device and compute dtype) cannot run, refused at start
+    with the fix."""
+    if config.param_dtype == "bfloat16" and dtype != torch.bfloat16:
+        raise ValueError("param_dtype: bfloat16 needs dtype: bfloat16 (bf16 weights under an fp32 compute dtype)")
+    if world_size > 1 and config.distributed == "fsdp2" and config.cuda_graph:
+        raise ValueError("cuda_graph: true does not work with distributed: fsdp2 (FSDP2's per-layer "
+                         "all-gathers and reduce-scatters are driven by host-side hooks); use "
+                         "distributed: ddp or cuda_graph: false")
+    if config.cuda_graph and device.type != "cuda":
+        raise ValueError("cuda_graph: true needs a CUDA device")
+    if config.fp8 and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError("fp8: true needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, H100, "
+                         "H200, B200); set fp8: false")
+    tp = config.tensor_parallel.size
+    if world_size % tp:
+        raise ValueError(f"tensor_parallel.size={tp} needs a number of processes that is a multiple of it, and this "
+                         f"launch has {world_size}: launch a multiple of {tp} processes (torchrun --nproc_per_node "
+                         f"{tp} -m dflash train ...), or set tensor_parallel.size to a divisor of {world_size}")
 
 
 def configured_mask_token(config: TrainConfig) -> int | str | None:
@@ -46,45 +65,40 @@ def configured_mask_token(config: TrainConfig) -> int | str | None:
     return EMBEDDED_MASK_TOKEN
 
 
-def check_dspark_support(config: TrainConfig) -> None:
-    """What a `draft.kind: dspark` run cannot do, refused before any weight is read (the trainer's first step,
-    `prepare_target`, and every draft build, so `dflash train --dry-run` says it too): the reason, then the fix."""
-    d, no = config.dspark, "draft.kind: dspark does not support"
-    problems = [msg for bad, msg in [
-        (d.markov_head_type != "vanilla", f"dspark.markov_head_type {d.markov_head_type!r} is not implemented (only "
-         "vanilla, the paper's default, is; not DeepSpec's gated / rnn heads): set dspark.markov_head_type=vanilla"),
-        (d.ce_alpha + d.l1_alpha <= 0, "dspark.ce_alpha + dspark.l1_alpha must be > 0: otherwise nothing trains the drafts"),
-        (config.draft.loss_decay_gamma != "auto", "draft.kind: dspark decays its loss by dspark.loss_decay_gamma "
-         "(exp(-k / gamma), slot 0 included): leave draft.loss_decay_gamma at auto and set dspark.loss_decay_gamma"),
-        (config.draft.position_weights == "dpace", f"{no} draft.position_weights: dpace (not implemented for its "
-         "three-term loss): use decay or none"),
-        (bool(config.data.features), f"{no} offline features (data.features): its L1 term reads the target's final-norm "
-         "last hidden state, which feature files do not hold; run the target online (data.features=null)"),
-    ] if bad]
-    if config.draft.kind == "dspark" and problems:
+def run_kind(config: TrainConfig) -> tuple[DraftKind, Any]:
+    """(the record of `config.draft.kind`, its settings section: `config.<section>`, None for a kind without one)."""
+    kind = kind_named(config.draft.kind)
+    return kind, getattr(config, kind.section) if kind.section else None
+
+
+def check_kind_support(config: TrainConfig) -> None:
+    """What the run's draft kind cannot do (`DraftKind.refusals`) and its own section out of range, refused before
+    any weight is read (the trainer's first step, `prepare_target`, every draft build and objective, so
+    `dflash train --dry-run` says it too). `TrainConfig.validate` refuses the same; this also refuses a config
+    changed after it was validated. The reason, then the fix."""
+    kind, settings = run_kind(config)
+    checks = kind.checks(settings, config.draft) if settings is not None else []
+    problems = [msg for ok, msg in checks if not ok] + kind.refusals(config.draft, config.data)
+    if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def draft_config_for(config: TrainConfig, target_config: Any, tokenizer: Any, vocab_rows: int) -> DFlashDraftConfig:
-    """The draft's config from the `draft` (and, for `kind: domino` / `dflash2` / `dspark`, that kind's)
-    sections, shaped like the target (`target_config`: its HF config; `vocab_rows`: rows of its embedding table)."""
-    check_dspark_support(config)
+    """The draft's config from the `draft` section and the keys its kind adds (`DraftKind.draft_keys`, from the
+    kind's own section), shaped like the target (`target_config`: its HF config; `vocab_rows`: rows of its
+    embedding table)."""
+    check_kind_support(config)
+    kind, settings = run_kind(config)
     ds = config.draft
     mask_id = resolve_mask_token_id(tokenizer, vocab_rows, configured_mask_token(config))
     cfg = DFlashDraftConfig.for_target(
         target_config, mask_token_id=mask_id, num_hidden_layers=ds.num_layers, target_layer_ids=ds.target_layer_ids,
         block_size=ds.block_size, num_attention_heads=ds.num_attention_heads,
         num_key_value_heads=ds.num_key_value_heads, head_dim=ds.head_dim, intermediate_size=ds.intermediate_size)
-    if ds.kind == "domino":
-        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DominoHeadConfig.from_settings(config.domino).to_extra()})
-    if ds.kind == "dflash2":
-        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DFlash2HeadConfig.from_settings(config.dflash2).to_extra()})
-    if ds.kind == "dspark":  # with the anchors per sequence DeepSpec's loader asserts (`dspark.TRAINING_KEYS`)
-        cfg = dataclasses.replace(cfg, extra={**cfg.extra, **DSparkHeadConfig.from_settings(config.dspark).to_extra(),
-                                              "num_anchors": ds.num_anchors})
+    extra = {**cfg.extra, **kind.draft_keys(settings, ds)}
     if (text := mask_token_text(tokenizer, mask_id)) is not None:  # exported as dflash_config.mask_token (SGLang)
-        cfg = dataclasses.replace(cfg, extra={**cfg.extra, "mask_token": text})
-    return cfg
+        extra["mask_token"] = text
+    return dataclasses.replace(cfg, extra=extra)
 
 
 def _hf_model(target_model: Any) -> Any:
@@ -143,7 +157,7 @@ def prepare_target(config: TrainConfig, target: Any, tokenizer: Any, *, device: 
     a folder, a hub id or "embedded") each rank builds the model on the meta device and reads only its
     shards; a model passed in is sharded in place. Heads and KV heads are checked against the size
     (`check_tp_support`) before any weight is read. With `data.features` the `offline_target`."""
-    check_dspark_support(config)
+    check_kind_support(config)
     if config.data.features:
         return offline_target(config, target, tokenizer, dtype=dtype)
     size = config.tensor_parallel.size
@@ -207,25 +221,15 @@ def build_objective(config: TrainConfig, target_model: Any, tokenizer: Any, *, d
 
 def objective_for(config: TrainConfig, target: Target, draft: nn.Module, *, device: torch.device, dtype: torch.dtype,
                   draft_call: Callable[..., torch.Tensor] | None = None) -> DFlashObjective:
-    """The objective of `config.draft.kind` (with the config's loss settings; its CE
-    chunks compiled under `compile: true`) around an already frozen target (`freeze_target`, or a
-    stand-in with the `Target` interface) and `draft` (a `DominoDraftModel` for `kind: domino`), run by
+    """The objective of `config.draft.kind` (with the config's loss settings, then its kind's own options:
+    `DraftKind.objective_options`; its CE chunks compiled under `compile: true`) around an already frozen target
+    (`freeze_target`, or a stand-in with the `Target` interface) and `draft` (of that kind: `build_draft`), run by
     `draft_call` (the draft wrapped for data parallelism and compilation; default: the draft itself)."""
+    check_kind_support(config)
+    kind, settings = run_kind(config)
     ds = config.draft
     common = dict(num_anchors=ds.num_anchors, attention=resolve_attention(ds.attention, device), dtype=dtype,
                   gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,
                   position_weights=ds.position_weights, dpace_alpha=ds.dpace_alpha, draft_call=draft_call,
                   compile_loss=config.compile)
-    if ds.kind == "domino":
-        d = config.domino
-        return DominoObjective(target, draft, lambda_start=d.lambda_start, decay_ratio=d.decay_ratio,
-                               scheduled_sampling=d.scheduled_sampling, **common)
-    if ds.kind == "dflash2":
-        return DFlash2Objective(target, draft, selector_alpha=config.dflash2.selector_alpha,
-                                selector_gold=config.dflash2.selector_gold, **common)
-    if ds.kind == "dspark":
-        d = config.dspark
-        check_dspark_support(config)
-        return DSparkObjective(target, draft, ce_alpha=d.ce_alpha, l1_alpha=d.l1_alpha, confidence_alpha=d.confidence_alpha,
-                               **{**common, "gamma": d.loss_decay_gamma})
-    return DFlashObjective(target, draft, **common)
+    return kind.objective(target, draft, **{**common, **kind.objective_options(settings)})

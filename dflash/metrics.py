@@ -7,6 +7,9 @@ whole buffer, then ratios are formed from the window's totals (never averaged pe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -15,41 +18,53 @@ import torch.distributed as dist
 UPDATE_ONLY = ("grad_norm", "lr", "nonfinite_skips", "empty_windows")
 
 
-# name -> width. Sums over the window (and ranks); ratios are formed in `flush`.
-def _layout(block_size: int, variant: str) -> dict[str, int]:
-    slots = block_size if variant == "dspark" else block_size - 1  # DSpark: every slot proposes (anchor-as-first-prediction)
-    layout = {
+Derive = Callable[[Mapping[str, torch.Tensor]], dict[str, float]]  # the window's sums -> an objective's own metrics
+
+
+@dataclass(frozen=True)
+class MetricLayout:
+    """What one objective fills (`DFlashObjective.metric_layout`; this module knows no draft kind):
+    `proposals` scored slots per block (the `pos_*` width), the objective's own sums (name -> width) and
+    `derive`, which turns the window's totals (host tensors by name) into its own flushed metrics."""
+
+    proposals: int
+    extra: Mapping[str, int] = field(default_factory=dict)
+    derive: Derive | None = None
+
+
+def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """A window's ratio of sums (0 where nothing was counted)."""
+    return num / den.clamp(min=1e-12)
+
+
+def _layout(layout: MetricLayout) -> dict[str, int]:
+    """name -> width. Sums over the window (and ranks); ratios are formed in `flush`."""
+    slots = layout.proposals
+    return {
         "loss_sum": 1, "weight_sum": 1,          # loss = sum(w * CE) / sum(w)
         "correct": 1, "scored": 1,               # token accuracy over supervised slots
-        "pos_correct": slots, "pos_scored": slots,  # per-position accuracy, slots 1..bs-1 (DSpark: its bs proposals)
+        "pos_correct": slots, "pos_scored": slots,  # per-position accuracy of the block's proposing slots
         "accepted": 1, "blocks": 1,              # teacher-forced tau = 1 + accepted / kept blocks
         "anchors_total": 1, "rows_total": 1, "rows_skipped": 1,
         "grad_norm": 1, "lr": 1, "steps": 1, "nonfinite_skips": 1, "micro_batches": 1,
         "nonfinite_run": 1,  # longest run of consecutive skipped updates in the window (a max, not a sum)
         "updates": 1, "empty_windows": 1,  # optimizer updates taken; windows skipped for no supervised weight
+        **layout.extra,
     }
-    if variant == "domino":  # the base (uncorrected) logits' loss / accuracy / tau, and lambda
-        layout.update({"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1, "lambda": 1})
-    if variant == "dflash2":  # the unary argmax's accuracy / tau, gold-in-top-K count, selector loss
-        layout.update({"base_correct": 1, "base_accepted": 1, "candidate_hits": 1, "selector_loss_sum": 1})
-    if variant == "dspark":  # the backbone-only argmax's accuracy / tau, the loss terms, the confidence calibration
-        layout.update({"base_correct": 1, "base_accepted": 1, "objective_sum": 1, "l1_loss_sum": 1,
-                       "confidence_loss_sum": 1, "confidence_sum": 1, "acceptance_sum": 1})
-    return layout
 
 
 class Metrics:
     """Device-side metric sums for one log window.
 
-    Shapes: scalar entries take `[]` tensors, `pos_*` take `[bs - 1]` (`[bs]` for "dspark"). Values must already be on
+    Shapes: scalar entries take `[]` tensors, `pos_*` take `[layout.proposals]`. Values must already be on
     `device`; adding never syncs.
     """
 
-    def __init__(self, block_size: int, device: torch.device | str, variant: str = "dflash") -> None:
-        self.block_size = block_size
+    def __init__(self, layout: MetricLayout, device: torch.device | str) -> None:
+        self.layout = layout
         self._slices: dict[str, slice] = {}
         offset = 0
-        for name, width in _layout(block_size, variant).items():
+        for name, width in _layout(layout).items():
             self._slices[name] = slice(offset, offset + width)
             offset += width
         self.buffer = torch.zeros(offset, dtype=torch.float64, device=device)
@@ -93,9 +108,6 @@ class Metrics:
         self.buffer.zero_()
         t = {name: host[s] for name, s in self._slices.items()}
 
-        def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-            return num / den.clamp(min=1e-12)
-
         steps = t["steps"]
         out: dict[str, float | list[float]] = {
             "loss": ratio(t["loss_sum"], t["weight_sum"]).item(),
@@ -113,24 +125,4 @@ class Metrics:
             "steps": steps.item(),  # the window's size: a last window cut short by a stop has fewer
             "per_position_accuracy": ratio(t["pos_correct"], t["pos_scored"]).tolist(),
         }
-        if "lambda" in t:
-            out["base_loss"] = ratio(t["base_loss_sum"], t["weight_sum"]).item()
-            out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
-            out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
-            out["lambda"] = ratio(t["lambda"], t["micro_batches"]).item()
-        if "candidate_hits" in t:  # DFlash 2: accuracy / tau are the selected tokens', loss the unary CE
-            out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
-            out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
-            out["candidate_recall"] = ratio(t["candidate_hits"], t["scored"]).item()  # gold among the top-K
-            out["selector_accuracy"] = ratio(t["correct"], t["candidate_hits"]).item()  # picked it, where it could
-            out["selector_loss"] = ratio(t["selector_loss_sum"], t["weight_sum"]).item()
-        if "acceptance_sum" in t:  # DSpark: accuracy / tau are the Markov-corrected drafts', loss their weighted CE
-            out["base_accuracy"] = ratio(t["base_correct"], t["scored"]).item()
-            out["base_tau"] = 1.0 + ratio(t["base_accepted"], t["blocks"]).item()
-            out["dspark_loss"] = ratio(t["objective_sum"], t["weight_sum"]).item()  # what is minimised: CE, L1, BCE mixed
-            out["l1_loss"] = ratio(t["l1_loss_sum"], t["weight_sum"]).item()  # ||p_draft - p_target||_1 (2 x TV)
-            out["confidence_loss"] = ratio(t["confidence_loss_sum"], t["weight_sum"]).item()  # BCE vs the soft target
-            # calibration: mean predicted confidence vs mean soft acceptance 1 - L1 / 2 over the supervised slots
-            out["mean_confidence"] = ratio(t["confidence_sum"], t["scored"]).item()
-            out["mean_acceptance"] = ratio(t["acceptance_sum"], t["scored"]).item()
-        return out
+        return out | (self.layout.derive(t) if self.layout.derive is not None else {})

@@ -31,6 +31,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from dflash.losses import head_logits
+
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     """Published default: one id -> [L // 2]; n ids -> round(1 + j * (L - 4) / (n - 1))."""
@@ -296,6 +298,22 @@ class DFlashDraftModel(nn.Module):
                     p.mul_(1 / math.sqrt(2 * self.config.num_hidden_layers))
             else:
                 nn.init.ones_(p)
+
+    # ---- the proposal rule (speculative decoding asks the draft, never its kind) ----
+
+    fixed_block_size = False  # True: it decodes blocks of its trained block_size only (DFlash 2's convs)
+
+    def proposals_per_block(self, block_size: int) -> int:
+        """Draft tokens one block proposes: slot 0 holds the verified token, slots 1..bs-1 propose."""
+        return block_size - 1
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, first_token: torch.Tensor, embed_weight: torch.Tensor,
+                head_weight: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts `[B, proposals_per_block]` of one block from its final-normed states `hidden` `[B, bs, H]`,
+        `first_token` `[B, 1]` (slot 0's token) and the target's embedding / LM head `[V, H]`: DFlash takes the
+        argmax of each proposing slot."""
+        return head_logits(hidden[:, 1:], head_weight).argmax(-1)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)

@@ -26,9 +26,9 @@ from dflash.losses import (
     dpace_weights,
     linear_cross_entropy,
 )
-from dflash.metrics import Metrics
+from dflash.metrics import MetricLayout, Metrics
 from dflash.modeling import DFlashDraftModel
-from dflash.target.frozen import Target
+from dflash.target_model.frozen import Target
 
 
 @dataclass
@@ -56,8 +56,6 @@ class DFlashObjective(nn.Module):
             the window's denominator is then its supervised-slot count, known before the first backward
             and global over micro-batches and ranks) or "none".
     """
-
-    metrics_variant = "dflash"  # which Metrics layout this objective fills (Domino adds base metrics)
 
     def __init__(self, target: Target, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32, gamma: float | str | None = "auto", ce_chunk_size: int = 4096,
@@ -183,6 +181,11 @@ class DFlashObjective(nn.Module):
         return BlockOutput(loss_sum=(weights.flatten() * ce).sum(), ce_sum=ce.sum().detach(), correct=correct)
 
     # ---- metrics --------------------------------------------------------------------------
+
+    def metric_layout(self) -> MetricLayout:
+        """The `Metrics` layout this objective fills: the block's bs - 1 proposing slots, no sums of its own (a
+        kind with its own metrics overrides this)."""
+        return MetricLayout(self.block_size - 1)
 
     @staticmethod
     def accumulate(m: Metrics, out: BlockOutput, keep: torch.Tensor, targets: BlockTargets) -> None:

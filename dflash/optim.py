@@ -81,6 +81,8 @@ class DraftOptimizers:
 
     def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
         self.parts = parts
+        self._grad_scale: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -90,11 +92,30 @@ class DraftOptimizers:
     def state(self) -> dict[Any, Any]:
         return {p: s for part in self.parts for p, s in part.state.items()}
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("grad_scale", "found_inf"):  # both parts read them in their step
-            for part in self.parts:
-                setattr(part, name, value)
-        super().__setattr__(name, value)
+    # The trainer sets `grad_scale` and `found_inf` as it sets them on a lone fused AdamW (torch's GradScaler
+    # protocol: attributes the step reads); each part reads its own in its step, so setting one sets both parts'.
+
+    @property
+    def grad_scale(self) -> torch.Tensor | None:
+        """`[]` fp32 on the device: every gradient is divided by it in the step (clipping), or None."""
+        return self._grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: torch.Tensor | None) -> None:
+        self._grad_scale = value
+        for part in self.parts:
+            part.grad_scale = value
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """`[]` fp32 on the device: 1 skips the step (weights and moments left as they were), or None."""
+        return self._found_inf
+
+    @found_inf.setter
+    def found_inf(self, value: torch.Tensor | None) -> None:
+        self._found_inf = value
+        for part in self.parts:
+            part.found_inf = value
 
     def step(self) -> None:
         for part in self.parts:

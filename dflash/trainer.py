@@ -1,19 +1,20 @@
-"""The training loop. One step, top to bottom, in `train_step`; nothing in it waits on the GPU.
+"""The trainer. One step, top to bottom, in `train_step`; nothing in it waits on the GPU.
 
     anchors + labels for every micro-batch      (device ops; global denominator known up front)
     per micro-batch: target features (no grad; data.features: the batch's) -> block embeddings -> draft -> chunked CE
       -> backward
     global grad norm -> fused AdamW (clipping as its grad_scale, tensor lr) -> on-device schedule -> metric sums
 
-The only host reads happen in `Metrics.flush()` at a log interval, at checkpoints and evaluation.
-Below the trainer: `data/`, `target/`, `run/` (state, checkpoints, graphs), `evaluation/`, `factory`.
+The only host reads happen in `Metrics.flush()` at a log interval, at checkpoints and evaluation. `fit` resumes,
+prepares and checks the data, then hands the run to its loop (`dflash.run.loop`: steps, log windows, the evaluation
+and save cadence, the stop, the end).
+Below the trainer: `data/`, `target_model/`, `run/` (state, checkpoints, graphs, the loop), `evaluation/`, `factory`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,27 +28,27 @@ from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
 from dflash.data.corpus import Corpus, check_corpus, training_data
 from dflash.data.feature_data import FeatureCollator, batch_collator
-from dflash.data.loader import Collator, DataPosition, device_batches, micro_batches, padding_of, training_rows
+from dflash.data.loader import Batch, Collator, DataPosition, device_batches, micro_batches, padding_of, training_rows
 from dflash.embedded import cache_root
 from dflash.evaluation.evaluate import held_out_speculative_eval
 from dflash.evaluation.export import export_draft, load_exported
 from dflash.evaluation.held_out import held_out_metrics, output_rows
-from dflash.factory import build_draft, freeze_target, objective_for, prepare_target
+from dflash.factory import build_draft, check_run_settings, freeze_target, objective_for, prepare_target
 from dflash.losses import window_loss_scale
 from dflash.metrics import Metrics
 from dflash.modeling import DFlashDraftModel, allow_compiled_shapes
 from dflash.optim import build_optimizer, lr_at
 from dflash.precision import convert_to_fp8
 from dflash.preflight import check_dependencies
-from dflash.report.console import ProgressBar, quiet_datasets, start_of_run
-from dflash.report.sinks import Reporter, history_record, progress_postfix, training_figures, window_metrics, write_summary
+from dflash.report.console import quiet_datasets, start_of_run
+from dflash.report.phases import PhaseTimer
+from dflash.report.sinks import history_record
 from dflash.run.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
 from dflash.run.compiling import ShapeLog, batch_shape, compile_draft_call, keep_compile_cache
 from dflash.run.data_parallel import DataParallelDraft
-from dflash.run.ending import finish_unless_stopped
 from dflash.run.folder import RunFolder
 from dflash.run.graphs import Capture, StepGraphs, step_graphs
-from dflash.run.overfitting import HeldOutPeak
+from dflash.run.loop import RunLoop
 from dflash.run.state import (
     check_loaded_state,
     check_resume_config,
@@ -63,11 +64,10 @@ from dflash.run.state import (
     resume_record,
     rng_state,
 )
-from dflash.run.stopping import NonFiniteError, NonFiniteWatch, StopRequest, apply_num_epochs
-from dflash.runtime import DTYPES, check_run_settings, init_distributed, peak_memory_bytes, resolve_device, resolve_dtype
-from dflash.target.frozen import Target
+from dflash.run.stopping import apply_num_epochs
+from dflash.runtime import DTYPES, init_distributed, resolve_device, resolve_dtype
+from dflash.target_model.frozen import Target
 
-Batch = dict[str, torch.Tensor]
 log = logging.getLogger("dflash")
 
 class DFlashTrainer:
@@ -129,14 +129,11 @@ class DFlashTrainer:
         self.optimizer = build_optimizer(self.draft, config.optim, self.lr, capturable=config.cuda_graph)
         self.lr.copy_(lr_at(self.step_t, config.optim, config.max_steps))
         self.objective.bind_schedule(self.step_t, config.max_steps)  # Domino's lambda follows the device counter
-        self.metrics = Metrics(self.block_size, self.device, self.objective.metrics_variant)
+        self.metrics = Metrics(self.objective.metric_layout(), self.device)
         self.nonfinite_run = torch.zeros((), dtype=torch.float32, device=self.device)
         # Step-level values are the same on every rank and flush() sums over ranks: one process adds them
         # (or 2 ranks would report one skipped update as 2 and stop after half the allowed consecutive skips).
         self._adds_replicated_metrics = rank == 0
-        self.held_out_conversations: list[dict[str, Any]] = []  # prompts for the speculative eval
-        self.held_out_peak = HeldOutPeak(config.batch_size * config.optim.grad_accum * self.world_size, warn=rank == 0)
-        self.last_held_out: tuple[int, dict[str, Any]] = (-1, {})  # (step, `evaluate`'s figures) of the last one `fit` made
         self.data_position = DataPosition()
         self.anchor_generator = torch.Generator(device=self.device)
         self.anchor_generator.manual_seed(anchor_seed(config.seed, 0, 0))  # alike on every rank: see _step
@@ -309,115 +306,46 @@ class DFlashTrainer:
         Returns a summary (final train metrics, held-out metrics, paths; `interrupted` and `signal` when SIGTERM /
         SIGINT stopped it, the step saved). Syncs happen only at the log flush, evaluation and checkpoints. The run
         folder is claimed and locked first (`dflash.run.folder`); a damaged newest checkpoint is passed over, and
-        what this run's interrupted saves left is removed."""
+        what this run's interrupted saves left is removed. Here: resume, the data and its checks; then the loop
+        (`dflash.run.loop.RunLoop`)."""
         cfg = self.config
-        self.phases = start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
-                                   attention=resolve_attention(cfg.draft.attention, self.device))  # bars, banner, clock
+        phases = start_of_run(cfg, rank=self.rank, world_size=self.world_size, device=self.device, dtype=self.dtype,
+                              attention=resolve_attention(cfg.draft.attention, self.device))  # bars, banner, clock
         with RunFolder(cfg.output_dir, resume_from=cfg.resume_from, overwrite=cfg.overwrite_output_dir,
                        rank=self.rank, world_size=self.world_size) as run_dir:
-            return self._fit(run_dir)
+            if (resume := resolve_resume(cfg.resume_from, run_dir)) is not None:  # `latest`: the newest intact one
+                self.resume(resume)
+            with quiet_datasets(), phases("data_preparation"):  # dflash's own bars and log lines tell it
+                corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target,
+                                       rank=self.rank, world_size=self.world_size)
+            check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
+            self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
+            rows = len(corpus.train)  # the held-out peak's epochs: rows before packing
+            corpus.train = training_rows(corpus.train, cfg.data)  # data.packing: the rows as packed sequences
+            apply_num_epochs(self, len(corpus.train))  # num_epochs: max_steps and the schedules from the rows
+            padding = padding_of(corpus.train, cfg.batch_size * cfg.optim.grad_accum, self._collator(), seed=cfg.seed)
+            if padding is not None and self.rank == 0:  # what every step pays for its buckets, known before the first
+                log.info(padding.describe())
+            write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
+            loop = RunLoop(self, run_dir, phases, train_rows=rows, conversations=corpus.held_out_conversations)
+            return loop.run(self._device_batches(corpus.train), corpus.eval,
+                            {"padding": padding.to_dict()} if padding is not None else {},
+                            end_of_run=lambda summary: self._export_and_decode(run_dir, corpus, phases, summary))
 
-    def _fit(self, run_dir: Path) -> dict[str, Any]:
-        """`fit` in its claimed, locked run folder: resume, the data and its checks, the loop, the end."""
+    def _export_and_decode(self, run_dir: Path, corpus: Corpus, phases: PhaseTimer, summary: dict[str, Any]) -> None:
+        """The end of a completed run after its held-out metrics (`RunLoop.finish`): the export and speculative
+        decoding on the held-out prompts, into `summary`."""
         cfg = self.config
-        if (resume := resolve_resume(cfg.resume_from, run_dir)) is not None:  # `latest`: the newest intact one
-            self.resume(resume)
-        with quiet_datasets(), self.phases("data_preparation"):  # dflash's own bars and log lines tell it
-            corpus = training_data(self.dataset, cfg.data, self.tokenizer, self.target.model, cfg.target,
-                                   rank=self.rank, world_size=self.world_size)
-        self.held_out_conversations = corpus.held_out_conversations
-        self.held_out_peak.train_rows = len(corpus.train)  # epochs in its warning
-        check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
-        self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
-        corpus.train = training_rows(corpus.train, cfg.data)  # data.packing: the rows as packed sequences
-        apply_num_epochs(self, len(corpus.train))  # num_epochs: max_steps and the schedules from the rows
-        padding = padding_of(corpus.train, cfg.batch_size * cfg.optim.grad_accum, self._collator(), seed=cfg.seed)
-        if padding is not None and self.rank == 0:  # what every step pays for its buckets, known before the first
-            log.info(padding.describe())
-        write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
-        reporter = Reporter(run_dir, cfg.report_to, cfg.to_dict(), enabled=self.rank == 0,
-                            resumed=self.resumed or {"step": self.step})  # drops lines logged past this step
-        stop = StopRequest(cfg.time_budget_minutes, self.world_size, self.device)  # signals, time budget
-        watch = NonFiniteWatch(self.nonfinite_run, cfg.max_nonfinite_skips, every_step=self.world_size == 1)
-        try:
-            last = self.phases.timed("training", self._train, corpus, reporter, stop, watch)
-            # The last step is saved once: not again when it was just saved, or resumed with no step left.
-            checkpoint = checkpoint_path(run_dir, self.step) if self.saved_step == self.step else self.save()
-        finally:
-            stop.restore()
-        summary: dict[str, Any] = {"steps": self.step, "checkpoint": str(checkpoint), "train": last,
-                                   **({"padding": padding.to_dict()} if padding is not None else {})}
-        if watch.tripped or stop.requested:  # the checkpoint is what matters; skip the end-of-run work
-            reporter.close()
-            if watch.tripped:
-                raise NonFiniteError(int(watch.value), cfg.max_nonfinite_skips, self.step, checkpoint)
-            return write_summary(run_dir, summary, enabled=self.rank == 0, timer=self.phases, stopped_by=stop.signal)
-        return finish_unless_stopped(lambda: self._finish(run_dir, corpus, reporter, summary), run_dir, summary, reporter,
-                                     self.phases)  # a signal there: saved, the rest skipped; a full disk: exit 4
-
-    def _train(self, corpus: Corpus, reporter: Reporter, stop: StopRequest, watch: NonFiniteWatch) -> dict[str, Any]:
-        """The loop to `max_steps` (or a stop): log, evaluate and save at their intervals. Returns the last
-        full log window's metrics (the run's training summary; a shorter window is logged, marked)."""
-        cfg, eval_ds = self.config, corpus.eval
-        batches = self._device_batches(corpus.train)
-        progress = ProgressBar(cfg.max_steps, initial=self.step, desc="dflash train", unit="step", deadline=stop.deadline,
-                               enabled=cfg.progress_bar and self.rank == 0)  # log lines print above it; ETA in budget
-        window_start, window_tokens, last_flush_step = time.perf_counter(), 0, self.step
-        try:
-            # next_batch is None when the DataLoader workers ended with a stop request
-            while (self.step < cfg.max_steps and not stop.due(self.step, at_flush=last_flush_step == self.step)
-                   and (batch := stop.next_batch(batches)) is not None):
-                window_tokens += batch["input_ids"].numel()  # a host-known shape, not a device read
-                self.phases.first("first_step", self.train_step, batch)  # compilation included
-                progress.update(1)
-                watch.poll()  # one process: the device's consecutive-skip count, read as it lands (no wait)
-                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps or watch.tripped:
-                    window = window_metrics(self.metrics.flush(), time.perf_counter() - window_start, window_tokens,
-                                            self.world_size, peak_memory_bytes(self.device), cfg.log_interval)
-                    last_flush_step = self.step  # SYNC POINT above: the log interval
-                    self._record(reporter, window)  # at max_steps off the interval: short, marked
-                    progress.set_postfix_str(progress_postfix(window))
-                    watch.see(window["nonfinite_run"])
-                    window_start, window_tokens = time.perf_counter(), 0
-                if watch.tripped:  # skipped updates left the weights at the last finite state: saved below
-                    break
-                if eval_ds is not None and cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                    self._held_out(eval_ds, reporter)
-                if (cfg.eval_interval and self.step % cfg.eval_interval == 0 and cfg.spec_eval_interval_prompts
-                        and self.held_out_conversations):
-                    draft = self.consolidated_draft()  # FSDP2: a gather every rank takes part in
-                    if (spec := self.speculative_eval(self.held_out_conversations, cfg.spec_eval_interval_prompts,
-                                                      draft=draft)) is not None:  # rank 0's report
-                        self._record(reporter, {"spec_tau": spec["tau"], "spec_speedup": spec["speedup"],
-                                                "spec_per_position_acceptance": spec["per_position_acceptance"]})
-                if cfg.save_interval and self.step % cfg.save_interval == 0:
-                    self.save()
-            if self.step != last_flush_step and not stop.requested:  # the time budget ended a window early
-                self._record(reporter, window_metrics(self.metrics.flush(), time.perf_counter() - window_start,
-                                                      window_tokens, self.world_size, peak_memory_bytes(self.device),
-                                                      cfg.log_interval))  # short: logged, marked
-        finally:
-            progress.close()
-        return training_figures(self.history)  # the last full window when there is one
-
-    def _finish(self, run_dir: Path, corpus: Corpus, reporter: Reporter, summary: dict[str, Any]) -> dict[str, Any]:
-        """The end of a completed run: held-out metrics, the export, speculative decoding, RUN/summary.json."""
-        cfg = self.config
-        if corpus.eval is not None:
-            summary["held_out"] = self.phases.timed("held_out_eval", self._held_out, corpus.eval, reporter)
-            summary["held_out_peak"] = self.held_out_peak.summary()
-        spec_eval = bool(cfg.spec_eval_prompts and self.held_out_conversations)
+        spec_eval = bool(cfg.spec_eval_prompts and corpus.held_out_conversations)
         # One full draft for export and speculative decoding (FSDP2: gathered to rank 0 by every rank).
         final_draft = self.consolidated_draft() if cfg.export_on_finish or spec_eval else None
         if cfg.export_on_finish and self.rank == 0:
-            summary["export"] = str(self.phases.timed("export", export_draft, final_draft, run_dir / "export",
-                                                      target=cfg.target, held_out=corpus.held_out_split))
-        if spec_eval and (report := self.phases.timed("speculative_eval", self.speculative_eval,
-                                                      self.held_out_conversations, draft=final_draft)) is not None:
+            summary["export"] = str(phases.timed("export", export_draft, final_draft, run_dir / "export",
+                                                 target=cfg.target, held_out=corpus.held_out_split))
+        if spec_eval and (report := phases.timed("speculative_eval", self.speculative_eval,
+                                                 corpus.held_out_conversations, draft=final_draft)) is not None:
             summary["speculative"] = report  # rank 0 (under tensor_parallel its TP group decoded with it)
             (run_dir / "export" / "eval.json").write_text(json.dumps(report, indent=2))
-        reporter.close()
-        return write_summary(run_dir, summary, enabled=self.rank == 0, timer=self.phases)  # RUN/summary.json
 
     def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None, *,
                          draft: torch.nn.Module | None = None) -> dict[str, Any] | None:
@@ -432,18 +360,6 @@ class DFlashTrainer:
                                          max_new_tokens=self.config.spec_eval_max_new_tokens,
                                          chain_tau=self._chain_tau_on if self.world_size == 1 else None)
 
-    def _held_out(self, dataset: Any, reporter: Reporter) -> dict[str, Any]:
-        """SYNC POINT: `evaluate` once a step (a run's end reuses its interval's), recorded, shown to the held-out peak."""
-        if self.last_held_out[0] != self.step:
-            self.last_held_out = (self.step, self.evaluate(dataset))
-            self._record(reporter, {f"eval_{k}": v for k, v in self.last_held_out[1].items()})
-            self.held_out_peak.see(self.step, self.last_held_out[1]["chain_tau"])
-        return self.last_held_out[1]
-
     def _chain_tau_on(self, texts: list[tuple[list[int], list[int]]]) -> float:
         """`evaluate`'s chain tau over rows `prompt + output`, supervising the output."""
         return self.evaluate(output_rows(texts))["chain_tau"]
-
-    def _record(self, reporter: Any, metrics: dict[str, Any]) -> None:
-        self.history.append({"step": self.step, **metrics})
-        reporter.log(self.step, metrics, self.config.max_steps)

@@ -24,7 +24,8 @@ from pathlib import Path
 from dflash.config import TrainConfig
 from dflash.data.corpus import _regenerate_part, _training_rows, split_conversations
 from dflash.data.repliers import make_replier, target_identity
-from dflash.runtime import load_target, load_tokenizer, resolve_device, resolve_dtype
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target_model.loading import load_target, load_tokenizer
 
 
 def bench_engine(config: TrainConfig, engine: str, url: str | None, cache: Path) -> tuple[dict, dict[str, list]]:

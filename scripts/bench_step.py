@@ -67,8 +67,8 @@ from dflash.config import CompileScope, Distributed, DominoSettings, Optimizer, 
 from dflash.diagnostics import forbid_syncs  # noqa: E402
 from dflash.kinds.dflash2 import DFlash2HeadConfig  # noqa: E402
 from dflash.kinds.domino import DominoHeadConfig  # noqa: E402
-from dflash.kinds.drafts import draft_model_for_config  # noqa: E402
 from dflash.kinds.dspark import DSparkHeadConfig  # noqa: E402
+from dflash.kinds.registry import draft_model_for_config  # noqa: E402
 from dflash.modeling import DFlashDraftConfig  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
@@ -130,7 +130,7 @@ class RandomFeatureTarget(nn.Module):
 def smollm2_target(device: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.target.frozen import FrozenTarget
+    from dflash.target_model.frozen import FrozenTarget
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=49_152, max_position_embeddings=8192, tie_word_embeddings=True,

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.diagnostics import SyncError, forbid_syncs  # noqa: E402
 from dflash.modeling import default_target_layer_ids  # noqa: E402
 from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
-from dflash.target.tensor_parallel import TensorParallelTarget, target_parameter_bytes, tp_mesh  # noqa: E402
-from dflash.target.tp_overlap import SCHEDULES  # noqa: E402
+from dflash.target_model.tensor_parallel import TensorParallelTarget, target_parameter_bytes, tp_mesh  # noqa: E402
+from dflash.target_model.tp_overlap import SCHEDULES  # noqa: E402
 
 SHAPES: dict[str, tuple[type, dict[str, Any], int, int]] = {  # name: (config class, hyper-parameters, batch, seq)
     "qwen3-32b": (Qwen3Config, dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,

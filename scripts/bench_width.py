@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.data.corpus import training_data  # noqa: E402
-from dflash.runtime import load_target, resolve_device, resolve_dtype  # noqa: E402
+from dflash.runtime import resolve_device, resolve_dtype  # noqa: E402
+from dflash.target_model.loading import load_target  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo), and
-by tests/test_dflash2_distributed.py and tests/test_dspark_distributed.py under `torch.distributed.run
---nproc_per_node 2` (`dflash2`, `dspark`).
+by tests/test_kinds_distributed.py under `torch.distributed.run --nproc_per_node 2` (one launch per kind of
+HEAD_VARIANTS: `domino`, `dflash2`, `dspark`).
 
     python tests/dist_worker.py OUT            DDP: one step on each rank's half of a fixed batch with
                                                fixed anchors (the optimizer update held back so the
@@ -12,14 +12,15 @@ by tests/test_dflash2_distributed.py and tests/test_dspark_distributed.py under 
                                                weights and the reduce-scatters issued; then a step with
                                                a non-finite loss (must be skipped) and a step inside
                                                forbid_syncs().
-    python tests/dist_worker.py OUT dflash2    `draft.kind: dflash2` (tests/test_dflash2_distributed.py), under
-                                               DDP then FSDP2, for each `dflash2.selector_gold`: two full
-                                               steps on each rank's half of a batch whose rank-0 rows are
-                                               nearly unsupervised (the gradients before each update, the
-                                               updated weights, the metrics), then a step inside
-                                               forbid_syncs().
-    python tests/dist_worker.py OUT dspark     `draft.kind: dspark` (tests/test_dspark_distributed.py): the same,
-                                               with both DSpark heads (Markov head of rank 8).
+    python tests/dist_worker.py OUT KIND       `draft.kind: KIND` (domino, dflash2, dspark), under DDP then
+                                               FSDP2, for each of its HEAD_VARIANTS (DFlash 2: both
+                                               `dflash2.selector_gold`s; DSpark: both heads, Markov head of
+                                               rank 8; Domino: base-loss weight 0.5, without and with
+                                               scheduled sampling):
+                                               two full steps on each rank's half of a batch whose rank-0
+                                               rows are nearly unsupervised (the gradients before each
+                                               update, the updated weights, the metrics), then a step
+                                               inside forbid_syncs().
     python tests/dist_worker.py OUT muon       `optim.optimizer: muon` under DDP: one full step (the update
                                                applied) on each rank's half of the fixed batch; both ranks'
                                                weights after it, and the names Muon updates.
@@ -34,6 +35,7 @@ import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from helpers import DFLASH2_HEAD, make_tiny_target, random_batch, tiny_config  # noqa: E402
+from helpers import KIND_HEADS, make_tiny_target, random_batch, tiny_config  # noqa: E402
 
 from dflash.anchors import reseed, sample_anchors  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
@@ -64,7 +66,7 @@ def fixed_plan():
     return batch, anchors, keep
 
 
-def fixed_anchors(anchors: torch.Tensor, keep: torch.Tensor, rows: range):
+def fixed_anchors(anchors: torch.Tensor, keep: torch.Tensor, rows: Sequence[int]):
     """A stand-in for `sample_anchors` that hands out the fixed anchors of `rows` in order, as many rows
     per call as the micro-batch has, wrapping around at the end of `rows` (so every step repeats)."""
     position = 0
@@ -194,22 +196,24 @@ def main_fsdp2(out: Path) -> None:
 
 
 # Draft kinds with heads of their own (`draft.kind`), each under DDP then FSDP2, 2 micro-batches per step, clipping
-# active: the config keys of each variant of a kind. DFlash 2: both selector golds; DSpark: both heads, rank 8.
+# active: the config keys of each variant of a kind. DFlash 2: both selector golds; DSpark: both heads, rank 8;
+# Domino: the base CE weighted 0.5 (at 1 the head would get zero gradients), then also a quarter of the GRU's inputs
+# drawn from the draft's own base predictions (scheduled sampling: per-row draws from the anchor generator).
+DOMINO_MIXED = {**KIND_HEADS["domino"], "domino__lambda_start": 0.5}
 HEAD_VARIANTS = {
-    "dflash2": {gold: {**DFLASH2_HEAD, "dflash2__selector_gold": gold} for gold in ("strict", "insert")},
-    "dspark": {"vanilla": {"draft__kind": "dspark", "dspark__markov_rank": 8}},
+    "domino": {"mixed": DOMINO_MIXED, "sampled": {**DOMINO_MIXED, "domino__scheduled_sampling": 0.25}},
+    "dflash2": {gold: {**KIND_HEADS["dflash2"], "dflash2__selector_gold": gold} for gold in ("strict", "insert")},
+    "dspark": {"vanilla": KIND_HEADS["dspark"]},
 }
 HEAD_STEPS = 2
-# Where the objectives draw their anchors (DSpark's `plan` calls its own module's `sample_anchors`).
+# Where the objectives draw their anchors (DSpark's `plan` calls its own module's `sample_anchors`; Domino's is
+# DFlash's).
 ANCHOR_SAMPLERS = ("dflash.objective", "dflash.kinds.dspark_objective")
 
 
 def head_runs(kind: str) -> list[tuple[str, str]]:
     """Every (distributed mode, variant) pair of `kind`."""
     return [(mode, variant) for mode in ("ddp", "fsdp2") for variant in HEAD_VARIANTS[kind]]
-
-
-DFLASH2_RUNS, DSPARK_RUNS = head_runs("dflash2"), head_runs("dspark")
 
 
 def head_config(kind: str, mode: str, variant: str):

@@ -16,6 +16,9 @@ TINY_MASK_ID = TINY_VOCAB - 1
 DOMINO_HEAD = {"draft__kind": "domino", "domino__gru_hidden_dim": 32, "domino__emb_dim": 16}  # a small Domino head
 # A small DFlash 2 head: 48 of 128 candidates, so a random draft has gold tokens both inside and outside the top-K
 DFLASH2_HEAD = {"draft__kind": "dflash2", "dflash2__selector_rank": 8, "dflash2__selector_top_k": 48}
+# tiny_config's keys of a small draft of each kind (`draft.kind`), in the registry's order
+KIND_HEADS = {"dflash": {}, "domino": DOMINO_HEAD, "dflash2": DFLASH2_HEAD,
+              "dspark": {"draft__kind": "dspark", "dspark__markov_rank": 8}}
 
 
 def make_tiny_target(num_layers: int = 4, hidden: int = 64, vocab: int = TINY_VOCAB, seed: int = 0,

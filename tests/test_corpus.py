@@ -10,7 +10,7 @@ import pytest
 import dflash.data.corpus as corpus
 from dflash.config import DataSettings, TrainConfig
 from dflash.data.corpus import first_prompt_id, split_held_out
-from dflash.runtime import weights_fingerprint
+from dflash.target_model.loading import weights_fingerprint
 
 
 def conv(cid: str, *users: str) -> dict:

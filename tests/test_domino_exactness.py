@@ -183,7 +183,7 @@ def test_greedy_labels_and_block_logits_run_one_2d_gemm():
     """The target's greedy labels (a sequence slice of `[B, S, H]`) and a block's proposal logits go through
     `head_logits`: one `mm`, equal to the batched product."""
     from dflash.losses import head_logits
-    from dflash.target.frozen import greedy_labels
+    from dflash.target_model.frozen import greedy_labels
 
     g = torch.Generator().manual_seed(0)
     hidden, head = torch.randn(3, 10, 8, generator=g), torch.randn(TINY_VOCAB, 8, generator=g)

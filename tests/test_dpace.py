@@ -78,7 +78,7 @@ def test_dpace_loss_and_gradient_equal_a_plain_reference():
 
 
 def test_dpace_is_refused_for_domino_drafts_and_alpha_is_checked():
-    with pytest.raises(ValueError, match="dpace is for DFlash drafts"):
+    with pytest.raises(ValueError, match="does not support draft.position_weights: dpace: it is for DFlash drafts"):
         tiny_config(draft__kind="domino", draft__position_weights="dpace").validate()
     with pytest.raises(ValueError, match="dpace_alpha"):
         tiny_config(draft__position_weights="dpace", draft__dpace_alpha=1.5).validate()

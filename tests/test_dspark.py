@@ -1,6 +1,6 @@
 """DSpark drafts (`draft.kind: dspark`): config, the heads, the objective against a plain per-slot loop, accumulation
-parity, a sync-free step, export in DeepSpec's shape, lossless decoding with the Markov walk, chain τ̂ = real τ and a
-short training run."""
+parity, a sync-free step, export in DeepSpec's shape, lossless decoding with the Markov walk and a short training run
+(chain τ̂ = real τ: tests/test_chain.py, for every kind)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ from dflash.anchors import sample_anchors
 from dflash.cli.config_keys import key_table
 from dflash.config import TrainConfig
 from dflash.evaluation import speculative as sp
-from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, expected_weight_names, export_draft, load_exported
+from dflash.evaluation.export import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    draft_weight_names,
+    expected_weight_names,
+    export_draft,
+    load_exported,
+)
 from dflash.evaluation.serving import format_serving, serving_commands
-from dflash.factory import build_draft, build_objective, check_dspark_support
+from dflash.factory import build_draft, build_objective, check_kind_support
 from dflash.hf.module import DFlashTrainingModule
-from dflash.kinds.dspark import TARGET_COPY_NAMES, DSparkDraftModel, dspark_weight_names
+from dflash.kinds.dspark import TARGET_COPY_NAMES, DSparkDraftModel, dspark_propose, dspark_weight_names
 from dflash.kinds.dspark_objective import DSparkObjective, dspark_block_targets
 from dflash.modeling import DFlashDraftModel
 from dflash.report.sinks import read_history
@@ -67,22 +74,27 @@ def test_config_keys_defaults_and_refusals():
     assert block("draft.kind=dspark", "device=cpu", presets=True) == 4  # the embedded CPU budget's blocks win
     for bad, message in [(["dspark.markov_rank=0"], "markov_rank must be >= 1"),
                          (["dspark.loss_decay_gamma=0"], "loss_decay_gamma must be > 0"),
-                         (["dspark.l1_alpha=-1"], "must be >= 0")]:
-        with pytest.raises(ValueError, match=message):
+                         (["dspark.l1_alpha=-1"], "must be >= 0"),
+                         (["dspark.markov_head_type=gated"], "only vanilla"),
+                         (["dspark.ce_alpha=0", "dspark.l1_alpha=0"], "nothing trains the drafts")]:
+        with pytest.raises(ValueError, match=message):  # out of range whichever kind trains
             TrainConfig.from_sources(None, bad, presets=False)
+    with pytest.raises(ValueError, match="setting of draft.kind=dspark, which this run does not train"):
+        TrainConfig.from_sources(None, ["dspark.markov_rank=8"], presets=False)  # in range: another kind's key
     for bad, message in [(["dspark.markov_head_type=gated"], "only vanilla"),
                          (["dspark.ce_alpha=0", "dspark.l1_alpha=0"], "nothing trains the drafts"),
                          (["draft.loss_decay_gamma=3"], "leave draft.loss_decay_gamma at auto"),
                          (["draft.position_weights=dpace"], "dpace"),
                          (["data.features=/tmp/x"], "offline features .*data.features=null")]:
-        cfg = TrainConfig.from_sources(None, ["draft.kind=dspark", *bad], presets=False)
+        with pytest.raises(ValueError, match=message):  # refused with the config
+            TrainConfig.from_sources(None, ["draft.kind=dspark", *bad], presets=False)
+        cfg = TrainConfig.from_sources(None, ["draft.kind=dspark"], presets=False)
+        for item in bad:  # and by the factory, for a config changed after it was validated
+            cfg.set(*item.split("="))
         with pytest.raises(ValueError, match=message):
-            check_dspark_support(cfg)
-        if any(key.startswith("dspark.") for key in bad):  # another kind's keys are refused at config time
-            with pytest.raises(ValueError, match="settings? of draft.kind=dspark, which this run does not train"):
-                TrainConfig.from_sources(None, bad, presets=False)
-        else:
-            check_dspark_support(TrainConfig.from_sources(None, bad, presets=False))  # only a DSpark run refuses them
+            check_kind_support(cfg)
+        if not any(key.startswith("dspark.") for key in bad):  # only a DSpark run refuses them
+            check_kind_support(TrainConfig.from_sources(None, bad, presets=False))
 
 
 def test_refusals_come_before_the_draft_and_on_the_transformers_trainer_path(tiny_target):
@@ -273,7 +285,8 @@ def test_export_writes_deepspec_s_dspark_contract_and_reads_back_equal(tmp_path,
     with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         copies = {k: f.get_tensor(k) for k in TARGET_COPY_NAMES}
-    assert set(shapes) == expected_weight_names(2, dspark=draft.head_config) | set(TARGET_COPY_NAMES)
+    assert set(shapes) == draft_weight_names(draft.config) | set(TARGET_COPY_NAMES)
+    assert draft_weight_names(draft.config) == expected_weight_names(2) | dspark_weight_names(draft.head_config)
     assert shapes["markov_head.markov_w1.weight"] == shapes["markov_head.markov_w2.weight"] == (TINY_VOCAB, RANK)
     assert shapes["confidence_head.proj.weight"] == (1, 64 + RANK) and shapes["confidence_head.proj.bias"] == (1,)
     assert torch.equal(copies["embed_tokens.weight"], tiny_target.get_input_embeddings().weight)
@@ -316,7 +329,7 @@ def test_speculative_decoding_with_a_dspark_draft_is_lossless_and_walks_the_mark
     check_speculative_report({**report, "block_size": BS + 1})  # its identities, at the verification width
     hidden, first = torch.randn(3, BS, 64), torch.tensor([[5], [7], [9]])
     head = target.get_output_embeddings().weight
-    drafted = sp.dspark_propose(draft, hidden, first, head)
+    drafted = dspark_propose(draft, hidden, first, head)
     assert drafted.shape == (3, BS)  # every slot, slot 0 included, proposes
     w1, w2 = draft.markov_head.markov_w1.weight, draft.markov_head.markov_w2.weight
     for b in range(3):  # the walk by hand: slot k's bias from the token drafted at k - 1 (the anchor for slot 0)
@@ -326,19 +339,7 @@ def test_speculative_decoding_with_a_dspark_draft_is_lossless_and_walks_the_mark
             assert drafted[b, k].item() == previous
     assert not torch.equal(drafted, (hidden @ head.t()).argmax(-1))  # the Markov head changed some drafts
     _perturb(draft.confidence_head, scale=10.0)  # the confidence head never changes a drafted token
-    assert torch.equal(sp.dspark_propose(draft, hidden, first, head), drafted)
+    assert torch.equal(dspark_propose(draft, hidden, first, head), drafted)
 
 
-def test_held_out_chain_tau_is_the_real_tau_of_the_markov_walk(target):
-    """On the target's own greedy text the chain estimate is real τ (test_chain's identity): the held-out metrics
-    score the Markov-corrected drafts with the teacher-forced previous token, which along an accepted prefix is the
-    decoder's own walk; blocks accept up to BS drafts plus the bonus."""
-    trainer = fixtures.train_on_continuations(target, steps=30, **DSPARK)
-    ids, loss_mask = fixtures.continuation_batch(target)  # prompts of 6 tokens + 26 greedy tokens
-    rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": loss_mask.int().tolist()})
-    held_out = trainer.evaluate(rows)
-    real = sp.evaluate_speculative(target, trainer.draft, ids[:, :6].tolist(), max_new_tokens=26, warmup=False)
-    assert real["tau"] > 1.5, real["tau"]
-    assert real["acceptance_histogram"][BS] > 0  # some blocks accepted every draft, slot 0's included
-    assert held_out["chain_tau"] == pytest.approx(real["tau"], rel=1e-9)
-    assert held_out["chain_forwards"] == real["target_forwards"]
+# The held-out chain τ̂ = real τ of the Markov walk: tests/test_chain.py, for every kind.

@@ -25,7 +25,7 @@ from dflash.embedded import (
     load_embedded_target,
     smollm2_gguf_path,
 )
-from dflash.runtime import weights_fingerprint
+from dflash.target_model.loading import weights_fingerprint
 
 CHITCHAT_CONVERSATIONS = 7168
 CHITCHAT_WITH_REPLY = 4017

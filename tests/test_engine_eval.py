@@ -37,9 +37,10 @@ from dflash.evaluation.engine_eval import (
 )
 from dflash.evaluation.evaluate import eval_conversations, prompt_ids
 from dflash.evaluation.export import export_draft
-from dflash.evaluation.serving import DFLASH, DFLASH2, DOMINO, DSPARK
 from dflash.evaluation.speculative import target_generate
 from dflash.factory import build_draft
+from dflash.kinds.record import DraftKind
+from dflash.kinds.registry import DFLASH, DFLASH2, DOMINO, DSPARK
 
 NUM_PROMPTS, NEW_TOKENS, BLOCK = 8, 64, 8
 
@@ -152,12 +153,12 @@ def test_the_printed_report_says_whose_figure_is_which(served):
 
 
 @pytest.fixture(scope="module")
-def unservable(tmp_path_factory) -> dict[str, Path]:
+def unservable(tmp_path_factory) -> dict[DraftKind, Path]:
     """Tiny DFlash 2, DSpark and Domino exports (blocks of 4; the weights never load)."""
     root, target = tmp_path_factory.mktemp("unservable"), make_tiny_target()
     heads = {DFLASH2: DFLASH2_HEAD, DSPARK: {"draft__kind": "dspark", "dspark__markov_rank": 8}, DOMINO: DOMINO_HEAD}
     torch.manual_seed(0)
-    return {kind: export_draft(build_draft(tiny_config(**head), target, None), root / kind)
+    return {kind: export_draft(build_draft(tiny_config(**head), target, None), root / kind.name)
             for kind, head in heads.items()}
 
 

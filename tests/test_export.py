@@ -25,6 +25,7 @@ from dflash.evaluation.export import (
     trained_target,
 )
 from dflash.factory import build_draft
+from dflash.kinds.domino import DominoDraftModel, DominoHeadConfig
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.run.checkpoint import save_checkpoint
 
@@ -198,14 +199,18 @@ def test_mismatched_target_gives_a_clear_error(target, tmp_path):
 def test_qwen3_config_parses_the_export(target, tmp_path):
     from transformers import AutoConfig, Qwen3Config
 
-    draft = _draft(target)
-    draft.config.extra = {"projector_type": "domino", "emb_dim": 32}
+    # a Domino draft: its variant keys go into dflash_config (a plain DFlash draft with them is refused: its weights
+    # lack the head the keys name)
+    cfg = _draft(target).config
+    cfg.extra = DominoHeadConfig(emb_dim=32, gru_hidden_dim=8, pure_draft_prefix_len=1, shift_label=False).to_extra()
+    draft = DominoDraftModel(cfg)
     export_draft(draft, tmp_path)
     for cfg in (Qwen3Config.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
         assert isinstance(cfg, Qwen3Config)
         assert cfg.architectures == ["DFlashDraftModel"]
         assert cfg.dflash_config == {"mask_token_id": TINY_MASK_ID, "target_layer_ids": draft.config.target_layer_ids,
-                                     "projector_type": "domino", "emb_dim": 32}
+                                     "projector_type": "domino", "emb_dim": 32, "gru_hidden_dim": 8,
+                                     "pure_draft_prefix_len": 1, "shift_label": False}
         assert cfg.block_size == 4 and cfg.num_target_layers == 4
         assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.vocab_size) == (64, LAYERS, 16, 128)
         assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)

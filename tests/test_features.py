@@ -16,14 +16,14 @@ from helpers import make_tiny_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash.data.features as features_module
-import dflash.target.offline as offline_module
+import dflash.target_model.offline as offline_module
 from dflash.data.feature_data import FeatureCollator, FeatureDataset, check_manifest, read_manifest
 from dflash.data.features import MANIFEST, PARTIAL, estimate_bytes, write_features
 from dflash.data.loader import Collator
 from dflash.data.tokenization import check_token_absent
 from dflash.run.state import data_fingerprint
-from dflash.target.frozen import FrozenTarget
-from dflash.target.offline import OfflineTarget, load_head_and_embedding
+from dflash.target_model.frozen import FrozenTarget
+from dflash.target_model.offline import OfflineTarget, load_head_and_embedding
 
 LAYERS = [0, 2]
 MAX_LENGTH = 24

@@ -11,10 +11,9 @@ import torch
 from helpers import make_tiny_target, random_batch, tiny_config
 
 from dflash.config import TrainConfig
-from dflash.factory import build_objective
+from dflash.factory import build_objective, check_run_settings
 from dflash.precision import convert_to_fp8
 from dflash.preflight import MissingDependencyError, check_dependencies
-from dflash.runtime import check_run_settings
 
 LAYER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
          "mlp.up_proj", "mlp.down_proj"]

@@ -11,10 +11,10 @@ from helpers import DFLASH2_HEAD, DOMINO_HEAD, TINY_MASK_ID, make_tiny_target, r
 
 from dflash.anchors import sample_anchors
 from dflash.losses import accepted_prefix_length, block_targets, linear_cross_entropy
-from dflash.metrics import Metrics
+from dflash.metrics import MetricLayout, Metrics
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, default_target_layer_ids
 from dflash.optim import lr_at
-from dflash.target.frozen import FrozenTarget, resolve_mask_token_id
+from dflash.target_model.frozen import FrozenTarget, resolve_mask_token_id
 from dflash.trainer import DFlashTrainer
 
 # ---- labels and weights ----------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_mask_token_resolution_errors():
 
 
 def test_metrics_flush_ratios_and_reset():
-    m = Metrics(block_size=4, device="cpu")
+    m = Metrics(MetricLayout(proposals=3), device="cpu")
     m.add("loss_sum", torch.tensor(6.0))
     m.add("weight_sum", torch.tensor(3.0))
     m.add("correct", torch.tensor(2.0))

@@ -86,6 +86,28 @@ def test_muon_trains_the_layers_and_fc_matrices_and_adamw_the_rest(head):
     assert all(group["lr"] is trainer.lr for group in opt.param_groups)
 
 
+def test_the_pair_gives_clipping_and_the_skip_to_both_parts():
+    """The trainer sets `grad_scale` / `found_inf` on the pair as on a lone fused AdamW: both parts must read them.
+    With `found_inf` 1 neither part's weights move; the same gradients unskipped move both."""
+    trainer = DFlashTrainer(tiny_config(optim__optimizer="muon"), target=make_tiny_target())
+    opt, draft = trainer.optimizer, trainer.draft
+    scale, skip = torch.tensor(2.0), torch.tensor(1.0)
+    opt.grad_scale, opt.found_inf = scale, skip
+    assert opt.grad_scale is scale and opt.found_inf is skip
+    assert all(part.grad_scale is scale and part.found_inf is skip for part in opt.parts)
+    before = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
+    for p in draft.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    opt.step()  # skipped
+    assert all(torch.equal(p, before[n]) for n, p in draft.named_parameters() if n in before)
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    moved = {n for n, p in draft.named_parameters() if n in before and not torch.equal(p, before[n])}
+    muon, adamw = ({n for n, p in draft.named_parameters() if any(p is q for g in part.param_groups for q in g["params"])}
+                   for part in opt.parts)
+    assert moved & muon and moved & adamw
+
+
 def test_muon_steps_make_no_sync_and_the_loss_falls():
     trainer = DFlashTrainer(tiny_config(optim__optimizer="muon", optim__grad_accum=2, optim__lr=2e-2), target=make_tiny_target())
     batch = random_batch(batch=4)

@@ -22,8 +22,8 @@ from dflash.data.feature_data import FeatureDataset
 from dflash.data.features import HELD_OUT_PART, MANIFEST, TRAIN_PART, write_features
 from dflash.diagnostics import forbid_syncs
 from dflash.hf.module import DFlashTrainingModule
-from dflash.target.frozen import FrozenTarget
-from dflash.target.offline import OfflineTarget
+from dflash.target_model.frozen import FrozenTarget
+from dflash.target_model.offline import OfflineTarget
 from dflash.trainer import DFlashTrainer
 
 STEPS = 4

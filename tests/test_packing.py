@@ -17,10 +17,10 @@ from dflash.attention import dense_document_mask
 from dflash.data.loader import Collator, ResumableSampler, padding_of, row_lengths, training_rows
 from dflash.data.packing import PackedRows, pack_lengths
 from dflash.factory import build_objective
-from dflash.kinds.dspark_objective import dspark_block_targets
+from dflash.kinds.dspark_objective import DSparkObjective, dspark_block_targets
 from dflash.losses import block_targets
 from dflash.metrics import Metrics
-from dflash.target.frozen import FrozenTarget
+from dflash.target_model.frozen import FrozenTarget
 
 LENGTHS = (21, 13, 10)
 # On a GPU the same checks run its path too: the target's flex document mask, the draft's flex BlockMask
@@ -115,13 +115,13 @@ KINDS = {"dflash": {}, "domino": DOMINO_HEAD, "dflash2": DFLASH2_HEAD, "dspark":
 def _sums(objective, batch: dict, anchors: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
     """Loss, the draft's gradient and every metric sum of one forward/backward of `objective` on given anchors."""
     positions = batch.get("position_ids")
-    rule = dspark_block_targets if objective.metrics_variant == "dspark" else block_targets
+    rule = dspark_block_targets if isinstance(objective, DSparkObjective) else block_targets
     targets = rule(batch["input_ids"], batch["loss_mask"], anchors, keep, objective.block_size, objective.gamma,
                    positions)
     objective.draft.zero_grad()
     out = objective(batch["input_ids"], anchors, keep, targets)
     out.loss_sum.backward()
-    metrics = Metrics(objective.block_size, batch["input_ids"].device, objective.metrics_variant)
+    metrics = Metrics(objective.metric_layout(), batch["input_ids"].device)
     objective.accumulate(metrics, out, keep, targets)
     sums = {"loss_sum": out.loss_sum.detach(), "weight_sum": targets.weights.sum(),
             **{f"grad.{name}": p.grad.clone() for name, p in objective.draft.named_parameters() if p.grad is not None}}
@@ -207,7 +207,7 @@ def test_the_targets_document_mask_follows_the_attention_setting():
     dispatch-level sync detector can run; on an H100 the flex one under it raised), auto by the device."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from dflash.target.frozen import document_attention
+    from dflash.target_model.frozen import document_attention
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
     assert isinstance(document_attention(positions, "flex")["attention_mask"], BlockMask)

@@ -23,7 +23,7 @@ from dflash.data.regenerate import prompt_id, prompt_turns, regenerate, stop_tok
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import tokenize_conversation
 from dflash.embedded import cache_root, load_embedded_target
-from dflash.runtime import weights_fingerprint
+from dflash.target_model.loading import weights_fingerprint
 
 CONVERSATIONS = [
     {

@@ -452,7 +452,7 @@ def test_two_shards_of_one_folder_swapped_with_their_hashes_updated_are_refused(
 
     from dflash.data.feature_data import check_manifest
     from dflash.data.features import MANIFEST, write_features
-    from dflash.target.frozen import FrozenTarget
+    from dflash.target_model.frozen import FrozenTarget
 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 120, (6 + i,), generator=g).tolist() for i in range(8)]

@@ -15,33 +15,29 @@ from safetensors.torch import load_file, save_file
 
 from dflash.cli.main import main
 from dflash.embedded import EMBEDDED_MASK_TOKEN, EMBEDDED_MASK_TOKEN_TEXT
-from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, WEIGHTS_NAME, export_draft
+from dflash.evaluation.export import CONFIG_NAME, TRAINER_DRAFT_NAME, WEIGHTS_NAME, export_draft, load_exported
 from dflash.evaluation.serving import (
-    DFLASH,
-    DFLASH2,
-    DOMINO,
-    DOMINO_POOL_FLAG,
-    DSPARK,
     ENGINES,
-    FAMILY_ENGINES,
     SERVING_FIELDS,
     SGLANG,
     SILENT_DEFAULTS,
     VLLM,
-    VLLM_DOMINO,
     check_serving_fields,
-    draft_kind,
+    engines_of,
     format_serving,
     num_draft_tokens,
     num_speculative_tokens,
     serving_commands,
+    serving_fields,
 )
 from dflash.factory import build_draft
 from dflash.kinds.dflash2 import DFlash2HeadConfig
-from dflash.kinds.domino import DominoDraftModel, DominoHeadConfig
+from dflash.kinds.domino import DOMINO_POOL_FLAG, VLLM_DOMINO, DominoDraftModel, DominoHeadConfig
 from dflash.kinds.dspark import DSparkHeadConfig
+from dflash.kinds.record import DraftKind
+from dflash.kinds.registry import DFLASH, DFLASH2, DOMINO, DSPARK, kind_of, kind_of_export
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
-from dflash.target.frozen import FrozenTarget
+from dflash.target_model.frozen import FrozenTarget
 
 HUB_TARGET = "Qwen/Qwen3-8B"
 
@@ -66,7 +62,7 @@ def _export(target, folder: Path, *, block_size: int = 16, domino: bool = False,
 FAMILY = {DFLASH2: DFLASH2_HEAD, DSPARK: {"draft__kind": "dspark", "dspark__markov_rank": 8}}  # blocks of 4
 
 
-def _family_export(target, kind: str, folder: Path, *, with_target_copies: bool = True) -> Path:
+def _family_export(target, kind: DraftKind, folder: Path, *, with_target_copies: bool = True) -> Path:
     """A tiny DFlash 2 or DSpark draft (tests/test_dflash2.py, tests/test_dspark.py), exported; a DSpark one with
     DeepSpec's copies of the target's embedding and LM head unless `with_target_copies` is false."""
     torch.manual_seed(0)
@@ -76,10 +72,10 @@ def _family_export(target, kind: str, folder: Path, *, with_target_copies: bool 
 
 
 @pytest.fixture(scope="module")
-def exports(target, tmp_path_factory) -> dict[str, Path]:
+def exports(target, tmp_path_factory) -> dict[DraftKind, Path]:
     root = tmp_path_factory.mktemp("serving")
-    return {**{kind: _export(target, root / kind, domino=kind == "domino") for kind in ("dflash", "domino")},
-            **{kind: _family_export(target, kind, root / kind) for kind in FAMILY}}
+    return {**{kind: _export(target, root / kind.name, domino=kind == DOMINO) for kind in (DFLASH, DOMINO)},
+            **{kind: _family_export(target, kind, root / kind.name) for kind in FAMILY}}
 
 
 def _get(config: dict, path: str):
@@ -91,13 +87,13 @@ def _get(config: dict, path: str):
 # ---- (a) every field the engines read, with the meaning they give it ------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["dflash", "domino"])
+@pytest.mark.parametrize("kind", [DFLASH, DOMINO], ids=lambda kind: kind.name)
 def test_export_carries_every_field_the_engines_read(exports, kind):
     folder = exports[kind]
     config = json.loads((folder / CONFIG_NAME).read_text())
     assert check_serving_fields(folder) == []
-    for field in SERVING_FIELDS:
-        if kind not in field.kinds or (field.optional and not _has(config, field.path)):
+    for field in serving_fields(kind):
+        if field.optional and not _has(config, field.path):
             continue
         value = _get(config, field.path)  # KeyError: the export lacks a field a loader reads
         assert isinstance(value, field.kind) and not (field.kind is int and isinstance(value, bool)), field.path
@@ -112,17 +108,17 @@ def test_export_carries_every_field_the_engines_read(exports, kind):
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == 16 and config["hidden_act"] == "silu" and config["attention_bias"] is False
     assert not any(_has(config, path) for path in SILENT_DEFAULTS)  # engines' defaults = the trained draft
-    if kind == "domino":  # the table covers every Domino key the export writes
-        domino_keys = {f.path.split(".")[-1] for f in SERVING_FIELDS if f.kinds == (DOMINO,)}
+    if kind == DOMINO:  # the table covers every Domino key the export writes
+        domino_keys = {f.path.split(".")[-1] for f in DOMINO.serving_fields}
         assert domino_keys == set(DominoHeadConfig(1, 1, 1, True).to_extra())
 
 
-@pytest.mark.parametrize("kind", list(FAMILY))
+@pytest.mark.parametrize("kind", list(FAMILY), ids=lambda kind: kind.name)
 def test_dflash2_and_dspark_exports_carry_what_their_loaders_read(exports, kind):
     folder = exports[kind]
     config = json.loads((folder / CONFIG_NAME).read_text())
-    assert draft_kind(config) == kind and check_serving_fields(folder) == []
-    fields = [f for f in SERVING_FIELDS if kind in f.kinds]
+    assert kind_of_export(config) == kind and check_serving_fields(folder) == []
+    fields = serving_fields(kind)
     for field in (f for f in fields if not (f.optional and not _has(config, f.path))):
         value = _get(config, field.path)
         assert isinstance(value, field.kind) and not (field.kind is int and isinstance(value, bool)), field.path
@@ -156,7 +152,7 @@ def _has(config: dict, path: str) -> bool:
 def test_vllm_aux_ids_name_the_input_of_the_layer_after_each_trained_layer(exports, target):
     """What the draft was trained on (`FrozenTarget`: the output of layer i) is exactly what vLLM captures for
     the exported aux ids (aux id j: the hidden state entering decoder layer j)."""
-    config = json.loads((exports["dflash"] / CONFIG_NAME).read_text())
+    config = json.loads((exports[DFLASH] / CONFIG_NAME).read_text())
     ids, aux = config["dflash_config"]["target_layer_ids"], config["eagle_aux_hidden_state_layer_ids"]
     entering: dict[int, torch.Tensor] = {}
     hooks = [layer.register_forward_pre_hook(
@@ -203,44 +199,44 @@ def _layers(ids: list[int]):
 
 
 PLANTED = {  # case: (kind, plant, the start of the one problem reported)
-    "mask token missing": ("dflash", _delete("dflash_config.mask_token_id"), "dflash_config.mask_token_id: missing"),
-    "mask token outside the vocabulary": ("dflash", _set("dflash_config.mask_token_id", 128),
+    "mask token missing": (DFLASH, _delete("dflash_config.mask_token_id"), "dflash_config.mask_token_id: missing"),
+    "mask token outside the vocabulary": (DFLASH, _set("dflash_config.mask_token_id", 128),
                                           "dflash_config.mask_token_id = 128: expected a row"),
-    "mask token as text": ("dflash", _set("dflash_config.mask_token_id", "127"),
+    "mask token as text": (DFLASH, _set("dflash_config.mask_token_id", "127"),
                            "dflash_config.mask_token_id: '127' is not of JSON type int"),
     # SGLang's mask token text: optional (exports before it lack it), a non-empty string when present
-    "mask token text as an id": ("dflash", _set("dflash_config.mask_token", 127),
+    "mask token text as an id": (DFLASH, _set("dflash_config.mask_token", 127),
                                  "dflash_config.mask_token: 127 is not of JSON type str"),
-    "mask token text empty": ("domino", _set("dflash_config.mask_token", ""),
+    "mask token text empty": (DOMINO, _set("dflash_config.mask_token", ""),
                               "dflash_config.mask_token = '': expected a non-empty string (SGLang: "),
-    "vLLM aux ids without the + 1": ("dflash", _set("eagle_aux_hidden_state_layer_ids", [0, 2]),
+    "vLLM aux ids without the + 1": (DFLASH, _set("eagle_aux_hidden_state_layer_ids", [0, 2]),
                                      "eagle_aux_hidden_state_layer_ids = [0, 2]: expected dflash_config"),
-    "vLLM aux ids missing": ("dflash", _delete("eagle_aux_hidden_state_layer_ids"),
+    "vLLM aux ids missing": (DFLASH, _delete("eagle_aux_hidden_state_layer_ids"),
                              "eagle_aux_hidden_state_layer_ids: missing"),
-    "target layers out of order": ("dflash", _layers([2, 0]), "dflash_config.target_layer_ids = [2, 0]"),
-    "target layer past the target's depth": ("dflash", _layers([0, 4]), "dflash_config.target_layer_ids = [0, 4]"),
-    "fewer target layers than fc was trained on": ("dflash", _layers([2]), "fc.weight shape (64, 128)"),
-    "block of one token": ("dflash", _set("block_size", 1), "block_size = 1: expected >= 2"),
-    "nested block size differing": ("dflash", _set("dflash_config.block_size", 8),
+    "target layers out of order": (DFLASH, _layers([2, 0]), "dflash_config.target_layer_ids = [2, 0]"),
+    "target layer past the target's depth": (DFLASH, _layers([0, 4]), "dflash_config.target_layer_ids = [0, 4]"),
+    "fewer target layers than fc was trained on": (DFLASH, _layers([2]), "fc.weight shape (64, 128)"),
+    "block of one token": (DFLASH, _set("block_size", 1), "block_size = 1: expected >= 2"),
+    "nested block size differing": (DFLASH, _set("dflash_config.block_size", 8),
                                     "dflash_config.block_size = 8 differs from block_size 16"),
-    "causal draft layers": ("dflash", _set("layer_types", ["sliding_attention"] * 2), "layer_types = ['sliding"),
-    "causal override": ("dflash", _set("dflash_config.causal", True), "dflash_config.causal = True"),
-    "fc switched off": ("dflash", _set("use_aux_hidden_state", False), "use_aux_hidden_state = False"),
-    "another architecture": ("dflash", _set("architectures", ["Qwen3ForCausalLM"]), "architectures = ['Qwen3"),
-    "another activation": ("dflash", _set("hidden_act", "gelu"), "hidden_act = 'gelu': expected silu"),
-    "RoPE bases differing": ("dflash", _set("rope_parameters.rope_theta", 1.0), "rope_parameters = "),
-    "Domino prefix SGLang refuses": ("domino", _set("dflash_config.pure_draft_prefix_len", 2),
+    "causal draft layers": (DFLASH, _set("layer_types", ["sliding_attention"] * 2), "layer_types = ['sliding"),
+    "causal override": (DFLASH, _set("dflash_config.causal", True), "dflash_config.causal = True"),
+    "fc switched off": (DFLASH, _set("use_aux_hidden_state", False), "use_aux_hidden_state = False"),
+    "another architecture": (DFLASH, _set("architectures", ["Qwen3ForCausalLM"]), "architectures = ['Qwen3"),
+    "another activation": (DFLASH, _set("hidden_act", "gelu"), "hidden_act = 'gelu': expected silu"),
+    "RoPE bases differing": (DFLASH, _set("rope_parameters.rope_theta", 1.0), "rope_parameters = "),
+    "Domino prefix SGLang refuses": (DOMINO, _set("dflash_config.pure_draft_prefix_len", 2),
                                      "dflash_config.pure_draft_prefix_len = 2: expected 1"),
-    "Domino shift_label not a bool": ("domino", _set("dflash_config.shift_label", 1),
+    "Domino shift_label not a bool": (DOMINO, _set("dflash_config.shift_label", 1),
                                       "dflash_config.shift_label: 1 is not of JSON type bool"),
-    "Domino GRU width missing": ("domino", _delete("dflash_config.gru_hidden_dim"),
+    "Domino GRU width missing": (DOMINO, _delete("dflash_config.gru_hidden_dim"),
                                  "dflash_config.gru_hidden_dim: missing"),
     # The head's tensors under a config that does not name it: read as a DFlash draft, which vLLM would be given
-    "Domino head without its projector_type": ("domino", _delete("dflash_config.projector_type"),
+    "Domino head without its projector_type": (DOMINO, _delete("dflash_config.projector_type"),
                                                "model.safetensors holds the Domino head (embed_proj.0.weight, "
                                                "embed_proj.2.weight, prefix_gru.weight_hh_l0, prefix_gru.weight_ih_l0) "
                                                "but dflash_config.projector_type is missing"),
-    "Domino head under another projector_type": ("domino", _set("dflash_config.projector_type", "Domino"),
+    "Domino head under another projector_type": (DOMINO, _set("dflash_config.projector_type", "Domino"),
                                                  "model.safetensors holds the Domino head"),
     # DFlash 2: the conv and selector keys both engines read under dflash_config, and its explicit non-causality
     "DFlash 2 selector rank missing": (DFLASH2, _delete("dflash_config.selector_rank"),
@@ -330,6 +326,16 @@ def test_check_serving_fields_names_each_planted_tensor(exports, tmp_path, case)
 # ---- (c) the commands -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", [DFLASH, DOMINO, DFLASH2, DSPARK], ids=lambda kind: kind.name)
+def test_the_commands_read_the_kind_and_counts_of_the_draft_the_export_loads_as(exports, kind):
+    """The commands are worked out from config.json alone (`kind_of_export`, `DraftKind.proposals_per_block`): both
+    must be what the export loads as (`kind_of` of its draft config, the draft's own `proposals_per_block`)."""
+    config = json.loads((exports[kind] / CONFIG_NAME).read_text())
+    draft, block = load_exported(exports[kind]), config["block_size"]
+    assert kind_of_export(config) is kind_of(draft.config) is kind and isinstance(draft, kind.model)
+    assert num_speculative_tokens(block, kind) == num_draft_tokens(block, kind) - 1 == draft.proposals_per_block(block)
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_commands_name_the_folder_and_the_block(target, tmp_path, block_size):
     folder = _export(target, tmp_path / "export", block_size=block_size)
@@ -347,17 +353,17 @@ def test_commands_name_the_folder_and_the_block(target, tmp_path, block_size):
 
 
 def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
-    commands = serving_commands(exports["domino"])
+    commands = serving_commands(exports[DOMINO])
     assert set(commands) == {SGLANG}
     flags = dict(zip(*[iter(shlex.split(commands[SGLANG])[3:])] * 2, strict=True))
     # bf16 (SGLang's Domino runtime requires it), and the full vocabulary: SGLang's default top-2048 candidate pool
     # lowered tau 4.331 -> 4.032 on the same 10 prompts, and the note says so
     assert flags["--dtype"] == "bfloat16" and flags["--speculative-domino-candidate-pool-size"] == "0"
     assert DOMINO_POOL_FLAG == "--speculative-domino-candidate-pool-size 0"
-    lines = format_serving(exports["domino"]).splitlines()
+    lines = format_serving(exports[DOMINO]).splitlines()
     # vLLM main has no Domino head (its doc claiming one is from the unmerged PR #47627): under a header naming
     # the vLLM sources checked, a line saying why, with the loader's commit; SGLang's command under its own header.
-    name, checked = FAMILY_ENGINES[DOMINO][VLLM]
+    name, checked = engines_of(DOMINO)[VLLM]
     header = lines.index(f"# {name} (checked against {checked})")
     assert "@036a00d1" in checked and "no Domino head" in checked
     assert lines[header + 1] == f"# not servable with vLLM: {VLLM_DOMINO}"
@@ -370,7 +376,7 @@ def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
     assert any(n.startswith(f"note: {DOMINO_POOL_FLAG}: ") and "4.331 to 4.032" in n and "top-2048" in n for n in notes)
     assert not any(line.startswith("warning") for line in lines)
     # and the table claims no vLLM reader for a Domino key
-    assert not any(VLLM in f.read_by for f in SERVING_FIELDS if f.kinds == (DOMINO,))
+    assert not any(VLLM in f.read_by for f in DOMINO.serving_fields)
 
 
 # What each engine's count means for the kind: DFlash 2 queries one trained block like DFlash (the bonus token, then
@@ -382,7 +388,7 @@ FAMILY_LINES = {  # kind: (vLLM method, num_speculative_tokens, SGLang algorithm
 }
 
 
-@pytest.mark.parametrize("kind", list(FAMILY))
+@pytest.mark.parametrize("kind", list(FAMILY), ids=lambda kind: kind.name)
 def test_dflash2_and_dspark_commands_carry_their_method_and_count(exports, target, tmp_path, kind):
     method, n_spec, algorithm, n_draft = FAMILY_LINES[kind]
     folder = exports[kind]
@@ -397,10 +403,10 @@ def test_dflash2_and_dspark_commands_carry_their_method_and_count(exports, targe
     assert (num_speculative_tokens(4, kind), str(num_draft_tokens(4, kind))) == (n_spec, n_draft)
     # `dflash export` prints each line under a header naming the engine source checked for this kind
     lines = format_serving(folder).splitlines()
-    for engine, (name, checked) in FAMILY_ENGINES[kind].items():
+    for engine, (name, checked) in engines_of(kind).items():
         assert lines[lines.index(f"# {name} (checked against {checked})") + 1] == commands[engine]
     assert not any(line.startswith("warning") for line in lines) and "not servable" not in "\n".join(lines)
-    assert FAMILY_ENGINES[kind] != ENGINES  # not the DFlash loaders' header
+    assert engines_of(kind) != ENGINES  # not the DFlash loaders' header
     if kind == DSPARK:  # also without DeepSpec's target copies (SGLang skips them; vLLM shares the target's)
         plain = _family_export(target, kind, tmp_path / "plain", with_target_copies=False)
         assert check_serving_fields(plain) == [] and json.loads(shlex.split(serving_commands(plain)[VLLM])[4])[
@@ -410,7 +416,7 @@ def test_dflash2_and_dspark_commands_carry_their_method_and_count(exports, targe
         assert any("V2 model runner" in line for line in lines if line.startswith("note: "))
 
 
-@pytest.mark.parametrize("kind", [DFLASH, DOMINO, DFLASH2, DSPARK])
+@pytest.mark.parametrize("kind", [DFLASH, DOMINO, DFLASH2, DSPARK], ids=lambda kind: kind.name)
 def test_every_kind_names_sglang_the_text_of_its_mask_token(tokenizer, tmp_path, kind):
     """SGLang's DFlash worker resolves the mask by `dflash_config.mask_token` (default <|MASK|>: row 151,669 of a
     Qwen3 target, not the trained one, for an older worker that reads the text alone): each kind's export writes the
@@ -419,13 +425,13 @@ def test_every_kind_names_sglang_the_text_of_its_mask_token(tokenizer, tmp_path,
     heads = {DFLASH: {}, DOMINO: DOMINO_HEAD, **FAMILY}[kind]
     draft = build_draft(tiny_config(**heads, draft__mask_token_id=EMBEDDED_MASK_TOKEN),
                         make_chat_target(tokenizer, num_layers=4), tokenizer)  # 4 layers: distinct default layer ids
-    folder = export_draft(draft, tmp_path / kind, target="embedded")
+    folder = export_draft(draft, tmp_path / kind.name, target="embedded")
     config = json.loads((folder / CONFIG_NAME).read_text())
-    assert draft_kind(config) == kind and config["dflash_config"]["mask_token"] == EMBEDDED_MASK_TOKEN_TEXT
+    assert kind_of_export(config) == kind and config["dflash_config"]["mask_token"] == EMBEDDED_MASK_TOKEN_TEXT
     assert tokenizer.get_vocab()[config["dflash_config"]["mask_token"]] == config["dflash_config"]["mask_token_id"]
     assert check_serving_fields(folder) == []
-    field = next(f for f in SERVING_FIELDS if f.path == "dflash_config.mask_token")
-    assert kind in field.kinds and field.read_by == (SGLANG,) and field.optional  # exports before it still pass
+    field = next(f for f in serving_fields(kind) if f.path == "dflash_config.mask_token")  # StopIteration: not read
+    assert field in SERVING_FIELDS and field.read_by == (SGLANG,) and field.optional  # exports before it still pass
 
 
 def test_a_dspark_draft_without_confidence_head_is_served_with_a_note(target, tmp_path):

@@ -12,7 +12,7 @@ from dflash.attention import dense_dflash_mask
 from dflash.evaluation import speculative as sp
 from dflash.evaluation.evaluate import prompt_ids
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
-from dflash.target.frozen import FrozenTarget
+from dflash.target_model.frozen import FrozenTarget
 
 BS = 4
 

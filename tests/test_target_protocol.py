@@ -1,4 +1,4 @@
-"""The four targets an objective can hold implement one declared interface (`dflash.target.Target`)."""
+"""The four targets an objective can hold implement one declared interface (`dflash.target_model.Target`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from helpers import make_tiny_target, random_batch
 
-from dflash.target import FrozenTarget, Target, hf_model_of
-from dflash.target.offline import OfflineTarget
-from dflash.target.tensor_parallel import TensorParallelTarget
-from dflash.target.tp_group import GroupBatchTarget
+from dflash.target_model import FrozenTarget, Target, hf_model_of
+from dflash.target_model.offline import OfflineTarget
+from dflash.target_model.tensor_parallel import TensorParallelTarget
+from dflash.target_model.tp_group import GroupBatchTarget
 
 
 def test_every_target_implements_the_declared_protocol_and_computes_the_same_features():

@@ -27,8 +27,8 @@ from dflash.cli.dry_run import plan
 from dflash.config import TrainConfig
 from dflash.factory import build_objective
 from dflash.run.state import accepted_changes, config_differences
-from dflash.target.tensor_parallel import check_tp_support
-from dflash.target.tp_overlap import batch_halves, schedule_for
+from dflash.target_model.tensor_parallel import check_tp_support
+from dflash.target_model.tp_overlap import batch_halves, schedule_for
 from dflash.trainer import DFlashTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

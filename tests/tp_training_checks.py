@@ -31,8 +31,8 @@ from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
 from dflash.evaluation.evaluate import run_eval
 from dflash.evaluation.speculative import evaluate_speculative
-from dflash.target.tensor_parallel import TensorParallelTarget, target_parameter_bytes
-from dflash.target.tp_decode import decode_session
+from dflash.target_model.tensor_parallel import TensorParallelTarget, target_parameter_bytes
+from dflash.target_model.tp_decode import decode_session
 from dflash.trainer import DFlashTrainer
 
 # The equality runs, each a trainer config override: a DFlash 2 and a DSpark draft, then both `data.labels` values

@@ -39,12 +39,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from helpers import make_tiny_target  # noqa: E402
 from tp_training_checks import decode_checks, fit_checks, mesh_training_checks, training_checks  # noqa: E402
 
-import dflash.target.tp_overlap as tp_overlap  # noqa: E402
+import dflash.target_model.tp_overlap as tp_overlap  # noqa: E402
 from dflash.diagnostics import forbid_syncs  # noqa: E402
-from dflash.target.frozen import FrozenTarget  # noqa: E402
-from dflash.target.tensor_parallel import TensorParallelTarget, target_parameter_bytes, tp_mesh  # noqa: E402
-from dflash.target.tp_group import GroupBatchTarget  # noqa: E402
-from dflash.target.tp_overlap import SCHEDULES, gather_group_batch  # noqa: E402
+from dflash.target_model.frozen import FrozenTarget  # noqa: E402
+from dflash.target_model.tensor_parallel import TensorParallelTarget, target_parameter_bytes, tp_mesh  # noqa: E402
+from dflash.target_model.tp_group import GroupBatchTarget  # noqa: E402
+from dflash.target_model.tp_overlap import SCHEDULES, gather_group_batch  # noqa: E402
 
 VOCAB = 128
 SEQ = 24

@@ -1,9 +1,10 @@
 """`dflash config`: every configuration key with its default, type and one-line meaning.
 
-The meanings are the comments next to (or just above) each field in `dflash/config.py` (the kinds' own
-settings in `dflash/kinds/settings.py`), read from its source, so the listing cannot drift from the code;
-the few fields without a comment get theirs from `_MEANINGS` here. Defaults are `TrainConfig()`'s; the
-embedded target's presets (`dflash.presets`), which fill the keys a user leaves unset, are listed after the table.
+The meanings are the comments next to (or just above) each field in the source of its section's class
+(`dflash/config.py`; a kind's own section is its settings dataclass, in that kind's module of `dflash/kinds/`),
+so the listing cannot drift from the code; the few fields without a comment get theirs from `_MEANINGS` here.
+Defaults are `TrainConfig()`'s; the embedded target's presets (`dflash.presets`), which fill the keys a user
+leaves unset, are listed after the table.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ _MEANINGS = {
     "draft.block_size": "tokens per draft block (slot 0 is the clean anchor token)",
     "draft.num_key_value_heads": "draft KV heads (None: the target's)",
     "draft.head_dim": "draft head width (None: the target's)",
-    "domino.gru_hidden_dim": "GRU state width of the correction head",
     "output_dir": "the run folder: config.yaml, metrics.jsonl, checkpoints/, export/, summary.json",
     "draft.intermediate_size": "draft FFN width (None: the target's)",
     "draft.dpace_alpha": "D-PACE smoothing of the draft's confidence (position_weights: dpace)",

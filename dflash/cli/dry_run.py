@@ -18,22 +18,16 @@ from dflash.data.repliers import target_identity
 from dflash.data.reply_cache import cached_prompt_ids
 from dflash.data.sources import local_source
 from dflash.embedded import cache_root
-from dflash.factory import draft_config_for, offline_target
+from dflash.factory import check_run_settings, draft_config_for, offline_target, run_kind
 from dflash.files import format_bytes
-from dflash.kinds.drafts import draft_model_for_config
+from dflash.kinds.registry import draft_model_for_config
 from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies
 from dflash.run.folder import check_folder
-from dflash.runtime import (
-    check_run_settings,
-    load_target_config,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-    target_location,
-)
-from dflash.target.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target_model.loading import load_target_config, load_tokenizer, target_location
+from dflash.target_model.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
 
 
 def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
@@ -150,7 +144,7 @@ def phases(config: TrainConfig) -> dict[str, Any]:
 
 def plan(config: TrainConfig) -> dict[str, Any]:
     """What `config` would run: target shape, layer ids, mask token, draft size (built on the meta
-    device by the trainer's own factory, so a Domino draft counts its head), tokens per step. First the
+    device by the trainer's own factory, so a draft counts its kind's heads), tokens per step. First the
     checks the run makes before loading weights, with its messages (and so the CLI's exit codes): missing
     packages, settings this launch cannot run, a missing data file, feature folders that do not match,
     an output folder the run would refuse."""
@@ -164,7 +158,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
     target_cfg = load_target_config(config.target)
     text = text_config_of(target_cfg)
     tokenizer = load_tokenizer(config.target)
-    ds = config.draft
+    ds, (kind, settings) = config.draft, run_kind(config)
     draft_cfg = draft_config_for(config, target_cfg, tokenizer, text.vocab_size)
     mask_id = draft_cfg.mask_token_id
     with torch.device("meta"):  # sizes only: nothing is allocated or initialised
@@ -190,7 +184,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "draft_parameters": params,
         "block_size": draft_cfg.block_size,
         "position_weights": ds.position_weights if ds.position_weights != "decay" else
-        (f"decay exp(-k / {config.dspark.loss_decay_gamma}), slot 0 included" if ds.kind == "dspark" else
+        (kind.describe_decay(settings) if kind.describe_decay is not None else
          f"decay, gamma {decay_gamma(ds.loss_decay_gamma, draft_cfg.block_size)}"),
         "anchors_per_row": ds.num_anchors,
         "rows_per_step": f"{rows} packed sequences of {pack_length(config.data)} tokens (data.packing)"

@@ -21,8 +21,9 @@ from dflash.data.features import (
     write_split_record,
 )
 from dflash.factory import target_layer_ids_for
-from dflash.runtime import load_target, load_tokenizer, resolve_device, resolve_dtype
-from dflash.target.frozen import FrozenTarget
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target_model.frozen import FrozenTarget
+from dflash.target_model.loading import load_target, load_tokenizer
 
 log = logging.getLogger("dflash")
 # What a run from features must leave off: each needs the target's trunk, which such a run never loads

@@ -27,7 +27,8 @@ from dflash.data.sources import load_conversations
 from dflash.data.tokenization import build_dataset, check_token_absent
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
 from dflash.engines import Replier
-from dflash.runtime import load_target, load_tokenizer, resolve_device, resolve_dtype
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target_model.loading import load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
 

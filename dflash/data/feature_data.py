@@ -37,7 +37,7 @@ from dflash.data.features import (
     part_dir,
     regenerate_command,
 )
-from dflash.data.loader import Collator
+from dflash.data.loader import Batch, Collator
 from dflash.data.tokenization import tokenizer_fingerprint
 
 
@@ -259,7 +259,7 @@ class FeatureCollator:
         """The token collator's bound on batch shapes (features add no shape of their own)."""
         return self.collator.num_shapes
 
-    def __call__(self, rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+    def __call__(self, rows: Sequence[Mapping[str, torch.Tensor]]) -> Batch:
         batch = self.collator(rows)
         batch_size, seq = batch["input_ids"].shape
         first = rows[0]["features"]

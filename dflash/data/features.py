@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from dflash.data.tokenization import tokenizer_fingerprint
 from dflash.files import format_bytes, write_atomic
 from dflash.modeling import text_config_of
-from dflash.target.frozen import FrozenTarget
+from dflash.target_model.frozen import FrozenTarget
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import math
 import signal
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import datasets
 import pyarrow.compute as pc
@@ -21,6 +21,18 @@ from torch.utils.data import DataLoader, Sampler
 
 from dflash.anchors import bounded_width
 from dflash.data.packing import PackedRows, packed_positions
+
+
+class Batch(TypedDict):
+    """A batch of B rows padded to S tokens, as the collators build it (CPU) and `device_batches` hands it out (on
+    the device): tensors, and one host int."""
+
+    input_ids: torch.Tensor  # LongTensor [B, S]
+    loss_mask: torch.Tensor  # BoolTensor [B, S], False on padding
+    position_ids: NotRequired[torch.Tensor]  # LongTensor [B, S] restarting per document (data.packing)
+    num_anchors: NotRequired[int]  # the anchor width the rows need (a Python int: read on the host, no device sync)
+    features: NotRequired[torch.Tensor]  # [B, S, K*H] offline target features (data.features)
+    labels: NotRequired[torch.Tensor]  # LongTensor [B, S]: the target's greedy next tokens (offline features, labels: target)
 
 
 class Collator:
@@ -68,7 +80,7 @@ class Collator:
         padded = math.ceil(max(longest, 1) / self.bucket_multiple) * self.bucket_multiple
         return min(padded, self.max_length) if self.max_length else padded
 
-    def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Any]:
+    def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> Batch:
         """``{"input_ids": LongTensor[B, S], "loss_mask": BoolTensor[B, S]}``, with packed rows
         (`dflash.data.packing`) ``"position_ids": LongTensor[B, S]`` restarting per document, and with
         ``anchor_widths`` ``"num_anchors"``: the smallest allowed width holding every row's valid anchors, read
@@ -80,7 +92,7 @@ class Collator:
             n = min(len(row["input_ids"]), seq)
             input_ids[b, :n] = torch.as_tensor(row["input_ids"][:n], dtype=torch.long)
             loss_mask[b, :n] = torch.as_tensor(row["loss_mask"][:n]).bool()
-        batch: dict[str, Any] = {"input_ids": input_ids, "loss_mask": loss_mask}
+        batch: Batch = {"input_ids": input_ids, "loss_mask": loss_mask}
         if "position_ids" in rows[0]:
             batch["position_ids"] = packed_positions(rows, seq)
         if self.anchor_widths:
@@ -268,7 +280,7 @@ class DevicePrefetcher:
             }
 
 
-def micro_batches(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
+def micro_batches(batch: Batch, n: int) -> list[Batch]:
     """`batch` split by rows into `n` micro-batches (`optim.grad_accum`): every row tensor (ids, mask;
     offline features and labels) chunked, the collator's anchor width (a host int) given to each."""
     if batch["input_ids"].shape[0] % n:
@@ -346,7 +358,7 @@ class DataPosition:
 
 def device_batches(dataset: Any, rows: int, collator: Collator, device: torch.device, position: DataPosition, *,
                    seed: int, num_workers: int, rank: int = 0, world_size: int = 1,
-                   micro_batches: int = 1) -> Iterator[dict[str, Any]]:
+                   micro_batches: int = 1) -> Iterator[Batch]:
     """Endless device batches of `rows` rows, epoch after epoch, from `position` on (advanced as they are
     taken). Batches come pinned from DataLoader workers and are copied one ahead (`non_blocking`). One
     loader serves every epoch (its sampler advances the epoch on each pass), so its persistent workers

@@ -3,7 +3,7 @@
 Short chat rows in bucketed slots spend much of a step on padding (`loader.PaddingCost`); packed, a step's slots hold
 several documents each. A packed sequence is described by its `position_ids`, restarting at 0 for each document
 (the convention of transformers' `DataCollatorWithFlattening`): the target attends inside each document with
-positions restarting there (`dflash.target.frozen.document_attention`), anchors never take the next document's
+positions restarting there (`dflash.target_model.frozen.document_attention`), anchors never take the next document's
 token as their first label (`dflash.anchors`), a block's slots past its document's end are unsupervised
 (`dflash.losses.block_positions`) and its context is its own document's (`dflash.attention.document_starts`).
 So a packed step computes, for the same rows and anchors, the losses and metrics of the unpacked step

@@ -35,7 +35,7 @@ from transformers import GenerationConfig
 from dflash.data.reply_cache import complete_lines, described, read_cache, set_aside
 from dflash.engines import Replier, Reply
 from dflash.report.console import ProgressBar
-from dflash.runtime import load_target_config, target_location
+from dflash.target_model.loading import load_target_config, target_location
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dflash.data.regenerate import TransformersReplier, target_stop_ids
 from dflash.engines import Replier
 from dflash.engines.openai_server import ServerReplier, served_fingerprint, served_identity
 from dflash.engines.vllm_engine import VLLMReplier
-from dflash.runtime import target_location, target_positions, weights_fingerprint
+from dflash.target_model.loading import target_location, target_positions, weights_fingerprint
 
 log = logging.getLogger(__name__)
 

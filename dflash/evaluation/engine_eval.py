@@ -21,9 +21,10 @@ The figures, named as the report names them:
     dflash.tau                    dflash's own τ (`acceptance_stats`)
 vLLM decodes the prompts as one batch (continuous batching), dflash one at a time: tokens/s are each engine's own.
 
-Refused before any model loads, with one line saying why (`vllm_refusal`): Domino (vLLM has no Domino head,
-`serving.VLLM_DOMINO`), and DFlash 2 / DSpark on a CPU (vLLM 0.32's V1 model runner, the CPU one, refuses "dspark
-speculative decoding" and "DFlash candidate-head drafts"; its V2 runner, which serves them, needs Triton on a GPU).
+Refused before any model loads, with one line saying why (`vllm_refusal`, from the kind's record): Domino (vLLM has
+no Domino head, `DraftKind.vllm_unservable`), and DFlash 2 / DSpark on a CPU (`DraftKind.vllm_cpu_refusal`: vLLM 0.32's
+V1 model runner, the CPU one, refuses "dspark speculative decoding" and "DFlash candidate-head drafts"; its V2 runner,
+which serves them, needs Triton on a GPU).
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ from dflash.data.regenerate import target_stop_ids
 from dflash.engines.vllm_engine import build_llm, greedy_sampling, require_vllm, shutdown, token_prompts
 from dflash.evaluation.evaluate import check_writable, eval_conversations, prompt_ids, run_eval
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, exported_folder, trained_target
-from dflash.evaluation.serving import DFLASH2, DOMINO, DSPARK, VLLM_DOMINO, draft_kind, num_speculative_tokens
-from dflash.runtime import load_tokenizer, resolve_device, resolve_dtype, target_location, target_positions
+from dflash.evaluation.serving import num_speculative_tokens
+from dflash.kinds.record import DraftKind
+from dflash.kinds.registry import kind_of_export
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target_model.loading import load_tokenizer, target_location, target_positions
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +59,26 @@ WHY = "dflash eval --engine vllm"
 _GPU_ONLY = ("vLLM serves a {name} draft on GPUs only: vLLM 0.32's V1 model runner (the one a CPU runs) refuses "
              "{refusal}, and its V2 runner, which serves them, needs Triton on a GPU; evaluate it here without "
              "--engine, or with --engine vllm on a GPU machine")
-_CPU_REFUSALS = {DFLASH2: _GPU_ONLY.format(name="DFlash 2", refusal='"DFlash candidate-head drafts"'),
-                 DSPARK: _GPU_ONLY.format(name="DSpark", refusal='"dspark speculative decoding"')}
 _COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def vllm_refusal(kind: str, device: torch.device) -> str | None:
-    """Why vLLM cannot serve a draft of `kind` (`serving.KINDS`) on `device`, None when it can."""
-    if kind == DOMINO:
-        return f"vLLM cannot serve a Domino draft ({VLLM_DOMINO}); serve it with SGLang (`dflash export` prints the line)"
-    return _CPU_REFUSALS.get(kind) if device.type == "cpu" else None
+def vllm_refusal(kind: DraftKind, device: torch.device) -> str | None:
+    """Why vLLM cannot serve a draft of `kind` on `device`, None when it can: anywhere, the kind's own reason
+    (`DraftKind.vllm_unservable`); on a CPU, what vLLM's V1 runner says refusing it (`DraftKind.vllm_cpu_refusal`)."""
+    if kind.vllm_unservable is not None:
+        return (f"vLLM cannot serve a {kind.title} draft ({kind.vllm_unservable}); serve it with SGLang (`dflash export` "
+                "prints the line)")
+    if device.type == "cpu" and kind.vllm_cpu_refusal is not None:
+        return _GPU_ONLY.format(name=kind.title, refusal=kind.vllm_cpu_refusal)
+    return None
 
 
 def speculative_config(export_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
     """vLLM's `speculative_config` for the export (the line `dflash export` prints): method and proposal count."""
-    kind = draft_kind(config)
-    return {"method": DSPARK if kind == DSPARK else "dflash", "model": str(export_dir),
+    kind = kind_of_export(config)
+    return {"method": kind.vllm_method, "model": str(export_dir),
             "num_speculative_tokens": num_speculative_tokens(config["block_size"], kind)}
 
 
@@ -229,7 +235,7 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
                          f"{os.environ['WORLD_SIZE']} processes")
     export_dir = exported_folder(draft_dir)
     config = json.loads((export_dir / CONFIG_NAME).read_text())
-    kind = draft_kind(config)
+    kind = kind_of_export(config)
     if (why := vllm_refusal(kind, _device_kind(device))) is not None:
         raise ValueError(why)
     dev = resolve_device(device)
@@ -259,7 +265,7 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
     spec_tps, base_tps = new_tokens / served["seconds"], sum(map(len, greedy["outputs"])) / greedy["seconds"]
     figures = acceptance(served["counters"], new_tokens, len(ids))
     report = {
-        "engine": "vllm", "vllm_version": vllm.__version__, "kind": kind, "draft": str(export_dir), "target": target,
+        "engine": "vllm", "vllm_version": vllm.__version__, "kind": kind.name, "draft": str(export_dir), "target": target,
         "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."), "num_prompts": len(ids),
         "max_new_tokens": max_new_tokens, "speculative_config": spec,
         "vllm": {**figures, **lossless_check(greedy["outputs"], served["outputs"]), "new_tokens": new_tokens,

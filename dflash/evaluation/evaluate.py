@@ -24,8 +24,9 @@ from dflash.data.sources import load_conversations
 from dflash.evaluation.export import check_compatible, exported_folder, load_exported, trained_held_out_split, trained_target
 from dflash.evaluation.speculative import evaluate_speculative
 from dflash.files import write_atomic
-from dflash.runtime import load_target, resolve_device, resolve_dtype
-from dflash.target.tp_decode import decode_report, decode_session, eval_tensor_parallel, load_sharded_target
+from dflash.runtime import resolve_device, resolve_dtype
+from dflash.target_model.loading import load_target
+from dflash.target_model.tp_decode import decode_report, decode_session, eval_tensor_parallel, load_sharded_target
 
 log = logging.getLogger(__name__)
 REPORT_NAME = "eval.json"  # the default report, beside the draft (the training run's own is there too)
@@ -85,7 +86,7 @@ def held_out_speculative_eval(target: Any, tokenizer: Any, draft: torch.nn.Modul
 
     `target`: the run's `FrozenTarget` (or tensor-parallel target). The report on rank 0, None on the other
     ranks: call it on every rank (under tensor_parallel the other ranks of rank 0's group run the sharded
-    target with it in lockstep, `dflash.target.tp_decode`). `chain_tau(texts)`, when given, scores the decoded
+    target with it in lockstep, `dflash.target_model.tp_decode`). `chain_tau(texts)`, when given, scores the decoded
     (prompt, output) pairs teacher-forced: the held-out chain estimate on exactly these prompts and
     outputs, so that what separates it from the real tau is numerics alone (`teacher_forced_chain_tau`)."""
     with decode_session(target, rank) as target_model:
@@ -166,7 +167,7 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
     """Load target + exported draft, run the lossless speculative evaluation, write JSON next to the draft.
 
     Under torchrun / accelerate launch the target is sharded over `tensor_parallel` processes (default: all
-    launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.target.tp_decode`);
+    launched): rank 0 decodes, the others run the sharded target with it in lockstep (`dflash.target_model.tp_decode`);
     every rank returns the report, rank 0 writes it: to `out` (replaced), else to `new_report_path` (DRAFT/eval.json,
     or eval-N.json beside an earlier report). `prompts`: see `eval_conversations`. `write=False`: only return the
     report (`dflash eval --engine vllm` writes it inside its own, `engine_eval.run_engine_eval`)."""

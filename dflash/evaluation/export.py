@@ -85,24 +85,10 @@ from dflash.evaluation.export_folder import (
     warn_stale_reports,
     write_export_files,
 )
-from dflash.kinds.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
-from dflash.kinds.dflash2 import dflash2_weight_names, is_dflash2
-from dflash.kinds.domino import DOMINO_WEIGHT_NAMES, DominoDraftModel
-from dflash.kinds.drafts import draft_model_for_config
-from dflash.kinds.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
-from dflash.kinds.dspark import (
-    HEAD_KEYS,
-    TARGET_COPY_NAMES,
-    TOP_LEVEL_KEYS,
-    DSparkHeadConfig,
-    dspark_config_fields,
-    dspark_extra_from_json,
-    dspark_weight_names,
-    is_dspark,
-)
+from dflash.kinds.registry import KINDS, draft_model_for_config, kind_of, kind_of_export
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.run.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
-from dflash.target.frozen import hf_model_of
+from dflash.target_model.frozen import hf_model_of
 
 # In a transformers.Trainer checkpoint of DFlashHFTrainer: the draft's weights in its training dtype (fp32
 # master weights by default), published names; what an exact resume loads (the bf16 file is for serving).
@@ -113,13 +99,9 @@ _DFLASH_CORE_KEYS = ("mask_token_id", "target_layer_ids")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def expected_weight_names(num_layers: int, *, domino: bool = False, dflash2: bool = False,
-                          dspark: DSparkHeadConfig | None = None) -> set[str]:
-    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (+ the Domino head, DFlash 2's
-    convs and selector, or the DSpark heads of `dspark`)."""
-    names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | (DOMINO_WEIGHT_NAMES if domino else set())
-    names |= dflash2_weight_names(num_layers) if dflash2 else set()
-    names |= dspark_weight_names(dspark) if dspark is not None else set()
+def expected_weight_names(num_layers: int) -> set[str]:
+    """The DESIGN §5 tensor names of a DFlash draft with `num_layers` layers (the backbone every kind shares)."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     per_layer = [
         "input_layernorm.weight", "post_attention_layernorm.weight",
         *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -129,6 +111,12 @@ def expected_weight_names(num_layers: int, *, domino: bool = False, dflash2: boo
     for i in range(num_layers):
         names.update(f"layers.{i}.{n}" for n in per_layer)
     return names
+
+
+def draft_weight_names(cfg: DFlashDraftConfig) -> set[str]:
+    """The tensor names of the draft `cfg` describes: the backbone's and what its kind adds (`DraftKind.weight_names`:
+    the Domino head, DFlash 2's convs and selector, the DSpark heads), without a kind's optional target copies."""
+    return expected_weight_names(cfg.num_hidden_layers) | kind_of(cfg).weight_names(cfg)
 
 
 def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *, target: str | None = None,
@@ -142,13 +130,10 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
     clash = reserved & set(cfg.extra)
     if clash:
         raise ValueError(f"draft.config.extra must not redefine {sorted(clash)} (they come from the config fields)")
-    dflash2, dspark = is_dflash2(cfg), is_dspark(cfg)
-    # DFlash 2 readers take block_size from dflash_config; vLLM lets top-level is_causal decide in-block causality
-    variant = {"is_causal": False} if dflash2 else dspark_config_fields(cfg) if dspark else {}
-    architecture = DFLASH2_ARCHITECTURE if dflash2 else DSPARK_ARCHITECTURE if dspark else "DFlashDraftModel"
+    kind = kind_of(cfg)
     return {
-        "architectures": [architecture],
-        **variant,
+        "architectures": [kind.architecture],
+        **kind.export_fields(cfg),  # DFlash 2's is_causal, DeepSpec's top-level DSpark keys
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": n,
@@ -179,10 +164,11 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
-            # DSpark's head keys sit at the top level (DeepSpec, SGLang, vLLM); what else a read-back export kept stays,
-            # and `mask_token` (the factory's: the tokenizer's text of mask_token_id) is SGLang's dflash_config.mask_token
-            **{k: v for k, v in cfg.extra.items() if not (dspark and k in TOP_LEVEL_KEYS)},
-            **({"block_size": cfg.block_size} if dflash2 or dspark else {}),
+            # a kind's top-level keys sit there (DSpark's: DeepSpec, SGLang, vLLM); what else a read-back export kept
+            # stays, and `mask_token` (the factory's: the tokenizer's text of mask_token_id) is SGLang's dflash_config.mask_token
+            **{k: v for k, v in cfg.extra.items() if k not in kind.top_level_keys},
+            # the kinds whose readers take the block size from dflash_config first (DFlash 2, DSpark)
+            **({"block_size": cfg.block_size} if kind.nested_block_size else {}),
             **({"target": target} if target else {}),
             **({"held_out_split": held_out} if held_out else {}),
         },
@@ -194,31 +180,38 @@ def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.d
                  target_model: nn.Module | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (weights cast to `dtype`, bf16 by default); `target`:
     the target the draft was trained for, `held_out`: its run's held-out split (`export_config`);
-    `target_model` (an HF causal LM or a `FrozenTarget`; DSpark drafts only): also write DeepSpec's copies of
-    its embedding and LM head."""
+    `target_model` (an HF causal LM or a `FrozenTarget`; a kind with `DraftKind.target_copies` only, DSpark):
+    also write DeepSpec's copies of its embedding and LM head."""
     weights = draft.state_dict()
     if target_model is not None:
-        if not is_dspark(draft.config):
-            raise ValueError("target_model is for DSpark exports (DeepSpec's layout copies the target's embedding "
-                             "and LM head); a DFlash, Domino or DFlash 2 export holds the draft's own weights only")
+        copies = kind_of(draft.config).target_copies
+        if not copies:
+            raise ValueError(_no_target_copies())
         model = hf_model_of(target_model)
-        weights |= dict(zip(TARGET_COPY_NAMES, (model.get_input_embeddings().weight,
-                                                model.get_output_embeddings().weight), strict=True))
-    return export_state(draft.config, weights, out_dir, dtype=dtype, target=target, held_out=held_out,
-                        domino=isinstance(draft, DominoDraftModel))
+        weights |= dict(zip(copies, (model.get_input_embeddings().weight, model.get_output_embeddings().weight),
+                            strict=True))
+    return export_state(draft.config, weights, out_dir, dtype=dtype, target=target, held_out=held_out)
+
+
+def _no_target_copies() -> str:
+    """Why an export of a kind without `target_copies` takes no target_model, naming the kinds on each side."""
+    copying = " / ".join(kind.title for kind in KINDS if kind.target_copies)
+    *others, last = (kind.title for kind in KINDS if not kind.target_copies)
+    return (f"target_model is for {copying} exports (DeepSpec's layout copies the target's embedding and LM head); "
+            f"a {', '.join(others)} or {last} export holds the draft's own weights only")
 
 
 def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_dir: str | Path, *,
-                 dtype: torch.dtype = torch.bfloat16, target: str | None = None, held_out: dict[str, Any] | None = None,
-                 domino: bool = False) -> Path:
+                 dtype: torch.dtype = torch.bfloat16, target: str | None = None,
+                 held_out: dict[str, Any] | None = None) -> Path:
     """`export_draft` from a draft config and its weights (published names), e.g. a gathered state dict."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
     state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in weights.items()}
-    dspark = DSparkHeadConfig.from_draft_config(cfg) if is_dspark(cfg) else None
-    expected = expected_weight_names(cfg.num_hidden_layers, domino=domino, dflash2=is_dflash2(cfg), dspark=dspark)
-    if dspark is not None and set(TARGET_COPY_NAMES) <= set(state):  # DeepSpec's optional copies of the target's
-        expected |= set(TARGET_COPY_NAMES)
+    expected = draft_weight_names(cfg)
+    copies = set(kind_of(cfg).target_copies)
+    if copies <= set(state):  # the kind's optional copies of the target's tensors (DeepSpec's DSpark layout)
+        expected |= copies
     missing = sorted(expected - set(state))
     extra = sorted(set(state) - expected)
     if missing or extra:  # the trainer's names must be the published ones: never write a wrong file
@@ -287,11 +280,11 @@ def _export_checkpoint(path: Path, out_dir: Path) -> tuple[Path, Path]:
     run = (yaml.safe_load(run_config.read_text()) or {}) if run_config.is_file() else {}
     data = run.get("data") or {}  # the whole resolved config (write_run_config): every key is there
     held_out = {k: data[k] for k in HELD_OUT_SPLIT_KEYS} if data.get("eval_size") else None
-    extra, trained = draft_config.setdefault("extra", {}), run.get("draft") or {}
-    if any(k in extra for k in HEAD_KEYS) and "num_anchors" not in extra and "num_anchors" in trained:
-        extra["num_anchors"] = trained["num_anchors"]  # a DSpark checkpoint from before the factory recorded it
-    return folder, export_draft(draft_from_checkpoint(draft_state, draft_config), out_dir, target=run.get("target"),
-                                held_out=held_out)
+    draft, trained = draft_from_checkpoint(draft_state, draft_config), run.get("draft") or {}
+    # a checkpoint from before the factory recorded its kind's `draft` keys (DSpark's num_anchors): the run's
+    extra = draft.config.extra
+    extra.update({k: trained[k] for k in kind_of(draft.config).run_keys if k not in extra and k in trained})
+    return folder, export_draft(draft, out_dir, target=run.get("target"), held_out=held_out)
 
 
 def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
@@ -301,8 +294,8 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
     another activation) instead of loading it into a model that would compute something else.
     """
     dflash = dict(data.get("dflash_config") or {})
-    dspark = dspark_extra_from_json(data)  # {} unless a DSpark config
-    if dspark:  # DeepSpec's shape has no dflash_config: its mask token and layer ids sit at the top level
+    top = kind_of_export(data).extra_from_export(data)  # a kind's keys at the top level (DSpark's); {} for the others
+    if top:  # DeepSpec's shape has no dflash_config: its mask token and layer ids sit at the top level too
         dflash = {**{k: data[k] for k in _DFLASH_CORE_KEYS if k in data}, **dflash}
     missing = [k for k in _DFLASH_CORE_KEYS if k not in dflash] + [
         k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in data]
@@ -321,7 +314,7 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
     heads = data.get("num_attention_heads", 8)
     n_layers = data["num_hidden_layers"]
     block_size = data.get("block_size", dflash.get("block_size", 16))
-    extra = {k: v for k, v in dflash.items() if k not in _DFLASH_CORE_KEYS and k != "block_size"} | dspark
+    extra = {k: v for k, v in dflash.items() if k not in _DFLASH_CORE_KEYS and k != "block_size"} | top
     return DFlashDraftConfig(
         hidden_size=data["hidden_size"],
         vocab_size=data["vocab_size"],
@@ -359,9 +352,9 @@ def exported_folder(path: str | Path) -> Path:
 
 def load_exported(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
                   *, target_model: nn.Module | None = None) -> DFlashDraftModel:
-    """Read an exported folder back into a draft (eval mode, on `device`, in `dtype`): a
-    `DominoDraftModel` when `dflash_config.projector_type` is `domino`, a `DFlash2DraftModel` when it holds the
-    DFlash 2 keys, else a `DFlashDraftModel`.
+    """Read an exported folder back into a draft (eval mode, on `device`, in `dtype`): the model of the kind its
+    config describes (`kind_of`: Domino when `dflash_config.projector_type` is `domino`, DFlash 2 when it holds the
+    DFlash 2 keys, ...), else a `DFlashDraftModel`.
 
     The tensor names must be exactly the model's (the error lists missing and unexpected names);
     shapes must match the config; then the weights file must match the checksum config.json records
@@ -378,8 +371,8 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
     try:
         with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
             names = set(f.keys())
-            # a DSpark export may hold copies of the target's embedding and LM head (DeepSpec's): not the draft's
-            names -= set(TARGET_COPY_NAMES) if is_dspark(cfg) else set()
+            # an export may hold copies of the target's embedding and LM head (DeepSpec's DSpark layout): not the draft's
+            names -= set(kind_of(cfg).target_copies)
             missing, unexpected = sorted(set(wanted) - names), sorted(names - set(wanted))
             if not (missing or unexpected):
                 state = {name: f.get_tensor(name) for name in names}

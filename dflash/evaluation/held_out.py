@@ -32,7 +32,7 @@ def held_out_metrics(objective: DFlashObjective, dataset: Any, collator: Collato
     # Every valid anchor makes each held-out batch its own width: one more compiled shape per batch, on top
     # of the training shapes the same process compiles.
     allow_compiled_shapes(collator.num_shapes + len(loader))
-    metrics = Metrics(objective.block_size, device, objective.metrics_variant)
+    metrics = Metrics(objective.metric_layout(), device)
     emitted = forwards = 0
     objective.eval()
     total = len(loader) if max_batches is None else min(len(loader), max_batches)

@@ -6,8 +6,9 @@ One decode step, with `start` the position of the last emitted token `t` (not ye
     draft   block = [t, mask x (bs-1)] at positions start..start+bs-1, attending to the draft's
             cached context K/V (target features of every position < start) and to its own block
             -> draft tokens d_1..d_{bs-1} = argmax(draft_hidden[slots 1..] @ lm_head^T)
-            (Domino: the correction head then runs causally over d_1.., `dflash.kinds.domino.domino_propose`;
-            DSpark: every slot k proposes the token at start+k+1, d_1..d_bs by the Markov walk, `dspark_propose`)
+            (the draft's own rule, `draft.propose`: Domino's correction head then runs causally over d_1..,
+            DFlash 2's selector walks its top-K candidates; DSpark: every slot k proposes the token at start+k+1,
+            d_1..d_bs by the Markov walk, `draft.proposals_per_block(bs)` = bs)
     target  one forward over [t, d_1..d_{v-1}] (v = min(bs, tokens still allowed)) with its KV cache
             -> greedy g_0..g_{v-1};  a = longest prefix with d_k == g_{k-1}
     emit    d_1..d_a and the bonus g_a (a + 1 tokens; cut after a stop token)
@@ -16,7 +17,7 @@ One decode step, with `start` the position of the last emitted token `t` (not ye
             (only the new positions are projected: a step costs O(new tokens) in the draft)
 
 Target features are the *same* tensors the trainer uses (`FrozenTarget`): the output of decoder
-layer i, captured by the same forward hooks (`dflash.target.frozen.capture_layer_outputs`), for i in
+layer i, captured by the same forward hooks (`dflash.target_model.frozen.capture_layer_outputs`), for i in
 `target_layer_ids`. (HF's `hidden_states[L]` is after the final norm, so for the last layer it
 differs from the hook; the hook keeps training and serving in agreement.)
 
@@ -52,13 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.kinds.dflash2 import DFlash2DraftModel, dflash2_propose
-from dflash.kinds.domino import DominoDraftModel, domino_propose
-from dflash.kinds.dspark import DSparkDraftModel, dspark_propose
-from dflash.losses import head_logits
+from dflash.kinds.registry import kind_of
 from dflash.modeling import DFlashDraftModel, cache_kwarg
 from dflash.report.console import progress
-from dflash.target.frozen import capture_layer_outputs, hf_model_of
+from dflash.target_model.frozen import capture_layer_outputs, hf_model_of
 
 
 class LosslessError(AssertionError):
@@ -165,21 +163,15 @@ class DraftContextCache:
         return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self.keys, self.values, strict=True)]
 
 
-def proposals_per_block(draft: DFlashDraftModel, block_size: int) -> int:
-    """Draft tokens one block proposes: block_size for DSpark (slot k proposes the token after the one at slot k,
-    slot 0 included), block_size - 1 otherwise (slot 0 holds the verified token and proposes nothing)."""
-    return block_size if isinstance(draft, DSparkDraftModel) else block_size - 1
-
-
 def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, context: DraftContextCache,
                          first_token: torch.Tensor, start: int, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """Greedy draft tokens `[1, proposals_per_block]` for the block starting at position `start`.
+    """Greedy draft tokens `[1, draft.proposals_per_block(block_size)]` for the block starting at position `start`.
 
     `first_token` `[1, 1]` is slot 0 (the last emitted token); the other slots are the mask token.
     The draft sees every context position (all are < start) and its whole block, so no mask is needed.
-    A Domino draft's tokens come from its causal correction head (`domino_propose`), a DFlash 2 draft's from its
-    selector's greedy walk over the top-K candidates (`dflash2_propose`), a DSpark draft's from its Markov walk over
-    every slot (`dspark_propose`; its confidence head never changes them, and all of them are verified).
+    The tokens come from the draft's own rule (`DFlashDraftModel.propose`): DFlash's argmax of slots 1.., a Domino
+    draft's causal correction head, a DFlash 2 draft's selector walk over the top-K candidates, a DSpark draft's
+    Markov walk over every slot (its confidence head never changes them, and all of them are verified).
     """
     device = first_token.device
     ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
@@ -190,13 +182,7 @@ def propose_draft_tokens(draft: DFlashDraftModel, target_model: nn.Module, conte
     positions = torch.arange(start, start + block_size, device=device).unsqueeze(0)
     hidden = draft(embeds, positions, None, ctx_kv=context.kv())  # [1, bs, H]
     head = target_model.get_output_embeddings().weight  # [V, H]
-    if isinstance(draft, DominoDraftModel):
-        return domino_propose(draft, hidden, first_token, embed, head)
-    if isinstance(draft, DFlash2DraftModel):
-        return dflash2_propose(draft, hidden, first_token, head)
-    if isinstance(draft, DSparkDraftModel):
-        return dspark_propose(draft, hidden, first_token, head)
-    return head_logits(hidden[:, 1:], head).argmax(-1)
+    return draft.propose(hidden, first_token, embed, head)
 
 
 # ---- generation ----------------------------------------------------------------------------------
@@ -245,10 +231,10 @@ def speculative_generate(
     bs = block_size or cfg.block_size
     if bs < 2:
         raise ValueError(f"block_size must be >= 2, got {bs}")
-    if isinstance(draft, DFlash2DraftModel) and bs != cfg.block_size:  # its convs run over blocks of its own size
-        raise ValueError(f"a DFlash 2 draft decodes blocks of its block_size {cfg.block_size}, not {bs}")
+    if draft.fixed_block_size and bs != cfg.block_size:  # DFlash 2: its convs run over blocks of its own size
+        raise ValueError(f"a {kind_of(cfg).title} draft decodes blocks of its block_size {cfg.block_size}, not {bs}")
     mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
-    width = proposals_per_block(draft, bs) + 1  # tokens one verification forward checks: the last emitted + proposals
+    width = draft.proposals_per_block(bs) + 1  # tokens one verification forward checks: the last emitted + proposals
     stops = set(stop_token_ids or ())
     device = model.get_input_embeddings().weight.device
     ids = _prompt_tensor(input_ids, device)
@@ -426,7 +412,7 @@ def evaluate_speculative(
     spec_tps = new_tokens / spec_time if spec_time > 0 else float("nan")
     base_tps = new_tokens / base_time if base_time > 0 else float("nan")
     report = {
-        **acceptance_stats(spec_results, proposals_per_block(draft, bs) + 1),
+        **acceptance_stats(spec_results, draft.proposals_per_block(bs) + 1),
         "block_size": bs,
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,

@@ -18,7 +18,7 @@ from dflash.anchors import reseed
 from dflash.config import TrainConfig
 from dflash.data.loader import Collator
 from dflash.embedded import EMBEDDED_TARGET_NAME, cache_root
-from dflash.factory import build_objective
+from dflash.factory import build_objective, run_kind
 from dflash.losses import BlockTargets
 from dflash.metrics import Metrics
 from dflash.modeling import allow_compiled_shapes
@@ -107,12 +107,9 @@ class DFlashTrainingModule(nn.Module):
             raise ValueError("data.features (offline target features) is supported by `dflash train` / DFlashTrainer, "
                              "not by the transformers.Trainer path: set data.features=null here, or train with "
                              "`dflash train data.features=...`")
-        if config.draft.kind in ("dflash2", "dspark"):  # not tested there: its export at each save and its metrics layout
-            kind = config.draft.kind
-            raise ValueError(f"draft.kind: {kind} is supported by `dflash train` / DFlashTrainer, not yet by the "
-                             f"transformers.Trainer path (untested there): train it with `dflash train draft.kind={kind}`, "
-                             "or set draft.kind=dflash or domino here"
-                             + (" (the embedded default trains a DFlash 2 draft on a CPU)" if kind == "dflash2" else ""))
+        kind, _ = run_kind(config)
+        if (why := kind.unsupported.hf_trainer) is not None:  # e.g. untested here: its export at each save, its metrics
+            raise ValueError(f"draft.kind: {kind.name} does not support the transformers.Trainer path (dflash.hf): {why}")
         objective = build_objective(config, target_model, tokenizer, device=dev,
                                     dtype=dtype or resolve_dtype(config.dtype, dev), draft=draft)
         module = cls(objective, seed=config.seed)
@@ -146,7 +143,7 @@ class DFlashTrainingModule(nn.Module):
 
     def new_metrics(self) -> Metrics:
         """An empty accumulator in this objective's layout, on the module's device."""
-        return Metrics(self.block_size, self.device, self.objective.metrics_variant)
+        return Metrics(self.objective.metric_layout(), self.device)
 
     # ---- anchors -----------------------------------------------------------------------------
 

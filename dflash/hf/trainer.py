@@ -65,7 +65,6 @@ from dflash.hf.module import (
     dflash_collator,
     unwrap_model,
 )
-from dflash.kinds.domino import DominoDraftModel
 from dflash.losses import window_loss_scale
 
 __all__ = [
@@ -136,8 +135,7 @@ class DFlashHFTrainer(Trainer):
         else:
             weights = {k[len(TRAINER_PREFIX):]: v for k, v in state_dict.items() if k.startswith(TRAINER_PREFIX)}
         os.makedirs(output_dir, exist_ok=True)
-        export_state(module.draft.config, weights, output_dir, target=module.target_name,
-                     domino=isinstance(module.draft, DominoDraftModel))
+        export_state(module.draft.config, weights, output_dir, target=module.target_name)
         if self._checkpointing:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()},
                       os.path.join(output_dir, TRAINER_DRAFT_NAME), metadata={"format": "pt"})

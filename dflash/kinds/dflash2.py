@@ -26,16 +26,35 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash.kinds.heads import HeadKeys
+from dflash.kinds.record import ServingField
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, DraftLayer
 
 ARCHITECTURE = "DFlash2DraftModel"
+
+
+SelectorGold = Literal["strict", "insert"]  # DFlash 2: the selector loss where the gold token is not a candidate
+
+
+@dataclass
+class DFlash2Settings:
+    """DFlash 2 convolutions and candidate selector (used when `draft.kind: dflash2`); published key names."""
+
+    conv_kernel_size: int = 2  # taps of the dynamic causal conv over the block positions
+    conv_group_size: int = 16  # channels that share one dynamic coefficient (the hidden size must divide by it)
+    selector_rank: int = 256  # rank of the selector's bilinear predecessor/successor score
+    selector_top_k: int = 16  # candidates the selector ranks at each slot (top-K of the draft's logits)
+    selector_alpha: float = 1.0  # weight of the selector loss next to the unary CE
+    # Selector loss where the gold token is not among the top-K: strict (none, SpecForge) or insert (the
+    # weakest candidate replaced by the gold, vLLM speculators #1006; for the loss only)
+    selector_gold: SelectorGold = "strict"
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,68 @@ def dflash2_weight_names(num_layers: int) -> set[str]:
         for conv in ("attention_conv", "mlp_conv"):
             names |= {f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"}
     return names
+
+
+# ---- export and serving (the facts of `registry.DFLASH2`, read by dflash.evaluation.serving / engine_eval) ---------
+
+# DFlash 2 rides both engines' DFlash path (vLLM `"method": "dflash"`, SGLang `DFLASH`) with the DFlash counts: the
+# convs run over one block, vLLM's of 1 + num_speculative_tokens query tokens, SGLang's of
+# --speculative-num-draft-tokens, so both must be the trained block. Read from vLLM
+# model_executor/models/qwen3_dflash2.py and v1/worker/gpu/spec_decode/dflash2/speculator.py @030da624 (PR #52816;
+# the index holds no copy at @47bd6d7c); SGLang srt/models/dflash.py `DFlash2DraftModel` (PR #35371, a stored version
+# the index names no commit of), speculative/dflash_utils.py @00731f0b, speculative/dflash_worker_v2.py @0057abea.
+ARCHITECTURE_MEANING = ("model class: vLLM's registry maps it to qwen3_dflash2.DFlash2Qwen3ForCausalLM (and picks "
+                        "DFlash2Speculator, the V2 runner); SGLang's EntryClass of models/dflash.py")
+VLLM_SOURCE = "vllm-project/vllm qwen3_dflash2.py + dflash2/speculator.py @030da624, PR #52816"
+SGLANG_SOURCE = "sgl-project/sglang DFlash2DraftModel, PR #35371: dflash_utils.py @00731f0b, dflash_worker_v2.py @0057abea"
+VLLM_CPU_REFUSAL = '"DFlash candidate-head drafts"'  # vLLM 0.32's V1 model runner (the CPU one) refusing it
+SERVING_FIELDS = (
+    ServingField("is_causal", bool, "causality of the draft attention, read before layer_types (both engines): "
+                 "false = non-causal over the block, as trained", "false", lambda v, c: v is False),
+    ServingField("dflash_config.conv_kernel_size", int, "taps T of every attention_conv / mlp_conv (base_kernel "
+                 "[2, T, H]); the taps stay inside one block", "in [1, block_size]",
+                 lambda v, c: 1 <= v <= c["block_size"]),
+    ServingField("dflash_config.conv_group_size", int, "channels g sharing one dynamic tap coefficient "
+                 "(kernel_projection rows 2 T H / g)", "a divisor of hidden_size",
+                 lambda v, c: v > 0 and c["hidden_size"] % v == 0),
+    ServingField("dflash_config.selector_rank", int, "rank r of the candidate selector (codebooks [V, r], "
+                 "hidden_projection [r, H])"),
+    ServingField("dflash_config.selector_top_k", int, "candidates per slot: the top-k of the target head's logits",
+                 "in [1, vocab_size]", lambda v, c: 1 <= v <= c["vocab_size"]),
+)
+SERVING_NOTES = (
+    "vLLM needs a build with DFlash 2 (PR #52816: DFlash2DraftModel in its registry, served by the V2 model runner it "
+    "selects for one), SGLang one with PR #35371; an older one refuses the export",
+    "the selector takes its candidates from the target's LM head: vLLM needs it unquantized, SGLang dense or of a "
+    "quantization it can apply; the convs run over one block of the counts above",
+)
+
+
+def dflash2_export_fields(cfg: DFlashDraftConfig) -> dict[str, Any]:
+    """The top-level keys of a DFlash 2 config.json beyond the DFlash ones: `is_causal: false`, as z-lab's published
+    config has it (vLLM lets it decide in-block causality)."""
+    return {"is_causal": False}
+
+
+def is_dflash2_export(config: dict[str, Any]) -> bool:
+    """Whether an export's config.json describes a DFlash 2 draft: its architecture, or its selector under another."""
+    nested = config.get("dflash_config")
+    return ARCHITECTURE in (config.get("architectures") or []) or (isinstance(nested, dict) and "selector_rank" in nested)
+
+
+def dflash2_built_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor -> (the shape both engines build it with from an export's config.json, from what): the convs of every
+    layer and the selector, which they load without checking that the file has them. KeyError / TypeError: a
+    broken field."""
+    c, d = config, config["dflash_config"]
+    h, v, t, r = c["hidden_size"], c["vocab_size"], d["conv_kernel_size"], d["selector_rank"]
+    conv = {"base_kernel": ((2, t, h), "2 sides x conv_kernel_size x hidden"),
+            "kernel_projection.weight": ((2 * t * (h // d["conv_group_size"]), h), "2 T H / g x hidden")}
+    built = {f"layers.{i}.{m}.{p}": s for i in range(c["num_hidden_layers"])
+             for m in ("attention_conv", "mlp_conv") for p, s in conv.items()}
+    built |= {f"candidate_selector.{b}_codebook": ((v, r), "vocab x selector_rank") for b in ("predecessor", "successor")}
+    built["candidate_selector.hidden_projection.weight"] = ((r, h), "selector_rank x hidden")
+    return built
 
 
 class GroupedDynamicConv(nn.Module):
@@ -191,9 +272,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         if "candidate_selector" in self._modules:  # built after the backbone: its own init ran then
             self.candidate_selector.reset_parameters()
 
+    fixed_block_size = True  # its convs run over blocks of its own block_size
+
     @property
     def top_k(self) -> int:
         return self.head_config.selector_top_k
+
+    def propose(self, hidden: torch.Tensor, first_token: torch.Tensor, embed_weight: torch.Tensor,
+                head_weight: torch.Tensor) -> torch.Tensor:
+        """The selector's greedy walk over the top-K candidates (`dflash2_propose`)."""
+        return dflash2_propose(self, hidden, first_token, head_weight)
 
 
 # ---- speculative decoding ------------------------------------------------------------------------

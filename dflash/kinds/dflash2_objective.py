@@ -24,14 +24,16 @@ selector loss.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from dflash.kinds.dflash2 import DFlash2DraftModel
 from dflash.losses import BlockTargets, accepted_prefix_length, linear_cross_entropy_topk, teacher_tokens
+from dflash.metrics import MetricLayout, ratio
 from dflash.objective import BlockOutput, DFlashObjective
-from dflash.target.frozen import Target
+from dflash.target_model.frozen import Target
 
 
 class _CandidateLogits(torch.autograd.Function):
@@ -69,10 +71,18 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, candidates: tor
     return _CandidateLogits.apply(hidden, weight.detach(), candidates, chunk_size)
 
 
+def dflash2_metrics(t: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """DFlash 2's flushed metrics from a window's sums: accuracy / tau are the selected tokens', loss the unary CE."""
+    return {"base_accuracy": ratio(t["base_correct"], t["scored"]).item(),
+            "base_tau": 1.0 + ratio(t["base_accepted"], t["blocks"]).item(),
+            "candidate_recall": ratio(t["candidate_hits"], t["scored"]).item(),  # gold among the top-K
+            "selector_accuracy": ratio(t["correct"], t["candidate_hits"]).item(),  # picked it, where it could
+            "selector_loss": ratio(t["selector_loss_sum"], t["weight_sum"]).item()}
+
+
 class DFlash2Objective(DFlashObjective):
     """DFlash 2 block losses (module doc). Same interface as `DFlashObjective`; fills the "dflash2" metrics."""
 
-    metrics_variant = "dflash2"
 
     def __init__(self, target: Target, draft: DFlash2DraftModel, *, selector_alpha: float = 1.0,
                  selector_gold: str = "strict", **kwargs: Any) -> None:
@@ -83,6 +93,11 @@ class DFlash2Objective(DFlashObjective):
             raise ValueError(f"selector_gold must be strict or insert, got {selector_gold!r}")
         super().__init__(target, draft, **kwargs)
         self.selector_alpha, self.selector_gold = selector_alpha, selector_gold
+
+    def metric_layout(self) -> MetricLayout:
+        """The unary argmax's accuracy / tau, the gold-in-top-K count and the selector loss beside DFlash's."""
+        return MetricLayout(self.block_size - 1, {"base_correct": 1, "base_accepted": 1, "candidate_hits": 1,
+                                                   "selector_loss_sum": 1}, dflash2_metrics)
 
     def selector_candidates(self, top: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(candidates for the loss `[T, K]`, gold's index in them `[T]`, gold in the strict top-K `[T]` bool,

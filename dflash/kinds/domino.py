@@ -57,6 +57,7 @@ predictions cost one extra chunked pass of the LM head, only when r > 0.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ from torch import nn
 
 from dflash.anchors import GlobalRows
 from dflash.kinds.heads import HeadKeys
+from dflash.kinds.record import SGLANG, ServingField
 from dflash.losses import (
     BlockTargets,
     accepted_prefix_length,
@@ -74,13 +76,27 @@ from dflash.losses import (
     linear_argmax,
     teacher_tokens,
 )
+from dflash.metrics import MetricLayout, ratio
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import BlockOutput, DFlashObjective
-from dflash.target.frozen import Target
+from dflash.target_model.frozen import Target
 
 PROJECTOR_TYPE = "domino"
 DOMINO_WEIGHT_NAMES = frozenset(
     {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"})
+
+
+@dataclass
+class DominoSettings:
+    """Domino correction head (used when `draft.kind: domino`); names follow the published config."""
+
+    emb_dim: int = 256  # low-rank width of [backbone hidden || GRU state] -> emb_dim -> SiLU -> vocab
+    gru_hidden_dim: int = 1024  # GRU state width of the correction head
+    pure_draft_prefix_len: int = 1  # slots before suffix_start get no correction
+    shift_label: bool = False  # label layout of the published checkpoints (module doc)
+    lambda_start: float = 1.0  # weight of the base CE at step 0; falls linearly to 0
+    decay_ratio: float = 0.5  # ... over decay_ratio * max_steps
+    scheduled_sampling: float = 0.0  # fraction of GRU inputs taken from the draft's own base predictions
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,65 @@ class DominoHeadConfig(HeadKeys):
 
 def is_domino(cfg: DFlashDraftConfig) -> bool:
     return cfg.extra.get("projector_type") == PROJECTOR_TYPE
+
+
+# ---- export and serving (the facts of `registry.DOMINO`, read by dflash.evaluation.serving / engine_eval) ----------
+
+# vLLM main has no Domino head: qwen3_dflash.py @036a00d1 loads `prefix_gru.*` / `embed_proj.*` as `model.*` and
+# `AutoWeightsLoader` refuses them, `"method": "dflash"` builds the plain `DFlashSpeculator`, and there is no Domino
+# dispatch or method (v1/worker/gpu/spec_decode/__init__.py @01af92e1, dflash/speculator.py @47bd6d7c and @00746147,
+# config/speculative.py @47bd6d7c). vLLM's docs/.../dflash.md @331c781e, which says vLLM loads Domino drafts, comes
+# from PR #47627, closed unmerged. Why vLLM gets no Domino line, and the sources checked for it:
+VLLM_DOMINO = ("vLLM main has no Domino head: qwen3_dflash.py @036a00d1 loads prefix_gru.* / embed_proj.* as model.* "
+               "and AutoWeightsLoader refuses them; dflash.md @331c781e (Domino under method dflash) is from PR #47627, "
+               "closed unmerged")
+VLLM_SOURCE = "vllm-project/vllm qwen3_dflash.py @036a00d1, dflash/speculator.py @47bd6d7c and @00746147: no Domino head"
+# SGLang's Domino default scores a block-shared top-2048 pool of base logits, not the vocabulary the draft was trained
+# over: on the same 10 prompts it lowered tau 4.331 -> 4.032 (issue 50), so the command asks for the full vocabulary.
+DOMINO_POOL_FLAG = "--speculative-domino-candidate-pool-size 0"
+# SGLang's Domino runtime requires bf16 (validate_domino_runtime); the vocabulary the draft was trained over
+SGLANG_FLAGS = ("--dtype bfloat16", DOMINO_POOL_FLAG)
+# SGLang builds with speculative/domino_utils.py @04d4c1ae read the head (strict `prefix_gru.*` / `embed_proj.*`
+# loading, bf16, `pure_draft_prefix_len` 1); older ones skip unknown tensor names and would serve the backbone alone.
+SERVING_FIELDS = (
+    ServingField("dflash_config.projector_type", str, "domino: the draft carries the Domino correction head "
+                 "(SGLang builds with domino_utils.py; vLLM main has none and refuses it)", PROJECTOR_TYPE,
+                 lambda v, c: v == PROJECTOR_TYPE, read_by=(SGLANG,)),
+    ServingField("dflash_config.shift_label", bool, "which backbone slot proposes token j: slot j (true) or j + 1",
+                 ok=None, read_by=(SGLANG,)),
+    ServingField("dflash_config.pure_draft_prefix_len", int, "proposals left uncorrected at the block start",
+                 "1 (SGLang refuses other values)", lambda v, c: v == 1, read_by=(SGLANG,)),
+    ServingField("dflash_config.gru_hidden_dim", int, "width of prefix_gru (the head's causal state)", read_by=(SGLANG,)),
+    ServingField("dflash_config.emb_dim", int, "low-rank width of embed_proj", read_by=(SGLANG,)),
+)
+SERVING_NOTES = (
+    "SGLang needs a build with Domino support (python/sglang/srt/speculative/domino_utils.py); an older one drops "
+    "the Domino head silently and serves the backbone alone",
+    f"{DOMINO_POOL_FLAG}: SGLang's default scores a top-2048 candidate pool of base logits instead of the whole "
+    "vocabulary the draft was trained over; on the same 10 prompts it lowered tau from 4.331 to 4.032",
+    "vLLM has Domino only in unmerged PRs (#47627 closed, #48241 open), not checked here: #47627 drafts token 0 at step "
+    "pure_draft_prefix_len and #48241 leaves that step uncorrected, while dflash trains every proposal from "
+    "pure_draft_prefix_len on corrected",
+)
+
+
+def is_domino_export(config: dict[str, Any]) -> bool:
+    """Whether an export's config.json marks a Domino draft (`dflash_config.projector_type`, which the engines pick
+    the head by)."""
+    nested = config.get("dflash_config")
+    return isinstance(nested, dict) and nested.get("projector_type") == PROJECTOR_TYPE
+
+
+def domino_stray_head(config: dict[str, Any], names: set[str]) -> str | None:
+    """The Domino head among an export's tensor `names` under a config.json that does not mark it (read as another
+    kind: SGLang builds no head from it, vLLM main refuses the tensors), None when there is none."""
+    head = sorted(DOMINO_WEIGHT_NAMES & names)
+    if not head:
+        return None
+    nested = config.get("dflash_config")
+    projector = repr(nested["projector_type"]) if isinstance(nested, dict) and "projector_type" in nested else "missing"
+    return (f"the Domino head ({', '.join(head)}) but dflash_config.projector_type is {projector}, not "
+            f"{PROJECTOR_TYPE!r}: SGLang builds no head from it, vLLM main refuses the tensors")
 
 
 class DominoDraftModel(DFlashDraftModel):
@@ -154,6 +229,11 @@ class DominoDraftModel(DFlashDraftModel):
         """GRU states `[M, L, G]` after each of `token_embeds` `[M, L, H]`, and the last `[1, M, G]`."""
         return self.prefix_gru(token_embeds.to(self.correction_weight.dtype), state)
 
+    def propose(self, hidden: torch.Tensor, first_token: torch.Tensor, embed_weight: torch.Tensor,
+                head_weight: torch.Tensor) -> torch.Tensor:
+        """The correction head's causal walk (`domino_propose`)."""
+        return domino_propose(self, hidden, first_token, embed_weight, head_weight)
+
     def correction_input(self, proposal_hidden: torch.Tensor, prefix_state: torch.Tensor) -> torch.Tensor:
         """u = SiLU(embed_proj.0([h || g])) `[..., emb_dim]`; the correction logits are u @ W2^T."""
         return self.embed_proj[1](self.embed_proj[0](torch.cat([proposal_hidden, prefix_state], dim=-1)))
@@ -172,11 +252,18 @@ class DominoTargets(BlockTargets):
     sampled: torch.Tensor | None = None
 
 
+def domino_metrics(t: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Domino's flushed metrics from a window's sums (`DominoObjective.metric_layout`)."""
+    return {"base_loss": ratio(t["base_loss_sum"], t["weight_sum"]).item(),
+            "base_accuracy": ratio(t["base_correct"], t["scored"]).item(),
+            "base_tau": 1.0 + ratio(t["base_accepted"], t["blocks"]).item(),
+            "lambda": ratio(t["lambda"], t["micro_batches"]).item()}
+
+
 class DominoObjective(DFlashObjective):
     """Domino block losses (module doc). Same interface as `DFlashObjective`; fills the "domino"
     metric layout (base loss / accuracy / tau and lambda)."""
 
-    metrics_variant = "domino"
 
     def __init__(self, target: Target, draft: DominoDraftModel, *, lambda_start: float = 1.0,
                  decay_ratio: float = 0.5, scheduled_sampling: float = 0.0, **kwargs: Any) -> None:
@@ -192,6 +279,11 @@ class DominoObjective(DFlashObjective):
         self._decay_steps = 1
 
     # ---- lambda ---------------------------------------------------------------------------
+
+    def metric_layout(self) -> MetricLayout:
+        """The base (uncorrected) logits' loss / accuracy / tau, and lambda, beside DFlash's metrics."""
+        return MetricLayout(self.block_size - 1, {"base_loss_sum": 1, "base_correct": 1, "base_accepted": 1,
+                                                   "lambda": 1}, domino_metrics)
 
     def bind_schedule(self, step_t: torch.Tensor, max_steps: int) -> None:
         """Follow `step_t` (completed steps, a device tensor the trainer updates in place)."""

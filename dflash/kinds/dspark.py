@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dflash.kinds.heads import HeadKeys
+from dflash.kinds.record import DEEPSPEC, SGLANG, VLLM, ServingField
 from dflash.losses import head_logits
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 
@@ -38,6 +39,20 @@ ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's class; SGLang's EntryClass and v
 # SGLang skips these names and vLLM shares the target's when they are absent.
 TARGET_COPY_NAMES = ("embed_tokens.weight", "lm_head.weight")
 MARKOV_HEAD_TYPES = ("vanilla",)  # DeepSpec's gated and rnn heads are not implemented
+
+
+@dataclass
+class DSparkSettings:
+    """DSpark Markov and confidence heads and loss (`draft.kind: dspark`; what it refuses: `factory.check_kind_support`)."""
+
+    markov_rank: int = 256  # rank r of the Markov head: logits + W2 W1[previous token], W1 and W2 [vocab, r]
+    markov_head_type: str = "vanilla"  # only vanilla is implemented (DeepSpec's gated and rnn heads are refused)
+    enable_confidence_head: bool = True  # train the acceptance-probability head (it never changes the drafted tokens)
+    confidence_head_with_markov: bool = True  # the confidence head reads [h; W1[previous token]] (false: h only)
+    loss_decay_gamma: float | None = 4.0  # position decay exp(-k / gamma) of slot k = 0..bs-1 (null: none)
+    ce_alpha: float = 0.1  # weight of the CE against the data token
+    l1_alpha: float = 0.9  # weight of ||p_draft - p_target||_1 over the full vocabulary at T = 1 (twice the TV)
+    confidence_alpha: float = 1.0  # weight of the confidence head's BCE against the soft acceptance 1 - L1 / 2
 
 
 @dataclass(frozen=True)
@@ -99,12 +114,73 @@ def dspark_config_fields(cfg: DFlashDraftConfig) -> dict[str, Any]:
 def dspark_extra_from_json(data: dict[str, Any]) -> dict[str, Any]:
     """The DSpark keys of a config.json dict (top level: `TOP_LEVEL_KEYS`), or {} when it is not a DSpark config. Refuses the
     other layout (speculators' `sample_from_anchor: false`: slot j predicts a + j), which this model cannot run."""
-    if ARCHITECTURE not in (data.get("architectures") or []) and "markov_rank" not in data:
+    if not is_dspark_export(data):
         return {}
     if data.get("sample_from_anchor", True) is not True or data.get("speculators_model_type") == "dspark":
         raise ValueError("this DSpark config uses the slot-j-predicts-a+j layout (sample_from_anchor false / speculators); "
                          "dflash's DSpark drafts predict a + k + 1 from slot k (DeepSpec's layout) only")
     return {name: data[name] for name in TOP_LEVEL_KEYS if name in data}
+
+
+# ---- export and serving (the facts of `registry.DSPARK`, read by dflash.evaluation.serving / engine_eval) ----------
+
+# DSpark has its own method (vLLM `"method": "dspark"`, SGLang `DSPARK`) and every slot proposes: vLLM queries
+# num_speculative_tokens = block_size slots (the anchor, then masks, each predicting the next token), SGLang verifies
+# gamma + 1 = block_size + 1 tokens. Read from vLLM @47bd6d7c model_executor/models/qwen3_dspark.py,
+# v1/worker/gpu/spec_decode/dspark/speculator.py, .../dflash/speculator.py, .../spec_decode/utils.py,
+# config/speculative.py (eagle3_utils.py @0cfdd2e1); SGLang @37e23874 srt/models/dspark.py,
+# speculative/dspark_components/dspark_config.py @01f47623, arg_groups/speculative_hook.py @004c82e0,
+# speculative/dflash_utils.py @00731f0b.
+ARCHITECTURE_MEANING = ("model class: vLLM's registry maps it to qwen3_dspark.Qwen3DSparkForCausalLM (and guesses "
+                        "method dspark from it); SGLang's EntryClass of models/dspark.py")
+VLLM_SOURCE = "vllm-project/vllm @47bd6d7c: qwen3_dspark.py, dspark/speculator.py, config/speculative.py"
+SGLANG_SOURCE = "sgl-project/sglang @37e23874: models/dspark.py; dspark_config.py @01f47623, speculative_hook.py @004c82e0"
+VLLM_CPU_REFUSAL = '"dspark speculative decoding"'  # vLLM 0.32's V1 model runner (the CPU one) refusing it
+SERVING_FIELDS = (
+    ServingField("markov_rank", int, "rank r of the Markov head (markov_w1 / markov_w2 [V, r]); both refuse 0"),
+    ServingField("markov_head_type", str, "SGLang builds a vanilla, gated or rnn head from it (vLLM only vanilla)",
+                 "vanilla", lambda v, c: v == "vanilla", read_by=(SGLANG,)),
+    ServingField("confidence_head_with_markov", bool, "confidence head input: [h ; markov_w1[previous]] (true) or h",
+                 ok=None),
+    ServingField("enable_confidence_head", bool, "whether confidence_head.proj.* are in the file (SGLang warns when "
+                 "absent; it and vLLM load the head only for adaptive verification)", ok=None, read_by=(SGLANG,)),
+    ServingField("mask_token_id", int, "SGLang's DSpark parser reads it before dflash_config.mask_token_id, vLLM "
+                 "after it", "dflash_config.mask_token_id", lambda v, c: v == c["dflash_config"]["mask_token_id"]),
+    ServingField("target_layer_ids", list, "DeepSpec's key: vLLM's last fallback (+ 1) for the captured layers",
+                 "dflash_config.target_layer_ids", lambda v, c: v == c["dflash_config"]["target_layer_ids"],
+                 read_by=(VLLM,)),
+    ServingField("num_anchors", int, "anchors per sequence the draft was trained with (draft.num_anchors): DeepSpec's "
+                 "Qwen3DSparkModel asserts it (deepspec/modeling/dspark/qwen3/modeling.py @5905deb7); no engine reads "
+                 "it", read_by=(DEEPSPEC,)),
+)
+
+
+def is_dspark_export(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes a DSpark draft: DeepSpec's architecture, or its Markov head under another."""
+    return ARCHITECTURE in (config.get("architectures") or []) or "markov_rank" in config
+
+
+def dspark_built_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor -> (the shape both engines build it with from an export's config.json, from what): the Markov and
+    confidence heads, which they load without checking that the file has them. KeyError / TypeError: a broken field."""
+    h, v, r = config["hidden_size"], config["vocab_size"], config["markov_rank"]
+    built = {f"markov_head.markov_w{i}.weight": ((v, r), "vocab x markov_rank") for i in (1, 2)}
+    if config["enable_confidence_head"]:
+        width = h + (r if config["confidence_head_with_markov"] else 0)
+        built["confidence_head.proj.weight"] = ((1, width), "1 x (hidden + markov_rank with markov)")
+        built["confidence_head.proj.bias"] = ((1,), "one logit")
+    return built
+
+
+def dspark_serving_notes(config: dict[str, Any]) -> list[str]:
+    """What `dflash export` adds under a DSpark export's commands: the counts, and what a draft without a confidence
+    head must leave off."""
+    notes = ["every slot proposes: vLLM drafts num_speculative_tokens = block_size tokens from the anchor and "
+             "block_size - 1 masks, SGLang verifies block_size + 1 (the anchor and block_size drafts)"]
+    if config.get("enable_confidence_head") is False:
+        notes.append("no confidence head: keep SGLANG_RAGGED_VERIFY_MODE=static (the default) and vLLM's "
+                     "adaptive_verification off, both of which need one")
+    return notes
 
 
 class MarkovHead(nn.Module):
@@ -156,6 +232,15 @@ class DSparkDraftModel(DFlashDraftModel):
         self.markov_head = MarkovHead(cfg.vocab_size, head.markov_rank)
         self.confidence_head = (ConfidenceHead(cfg.hidden_size, head.markov_rank, head.confidence_head_with_markov)
                                 if head.enable_confidence_head else None)
+
+    def proposals_per_block(self, block_size: int) -> int:
+        """Every slot proposes (slot k the token after slot k's), slot 0 included."""
+        return block_size
+
+    def propose(self, hidden: torch.Tensor, first_token: torch.Tensor, embed_weight: torch.Tensor,
+                head_weight: torch.Tensor) -> torch.Tensor:
+        """The Markov walk over every slot (`dspark_propose`; the confidence head never changes the drafts)."""
+        return dspark_propose(self, hidden, first_token, head_weight)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -21,6 +21,7 @@ no `[T, V]` tensor for all block tokens. No boolean indexing, no `.item()`, no d
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,8 +39,9 @@ from dflash.losses import (
     head_logits,
     teacher_tokens,
 )
+from dflash.metrics import MetricLayout, ratio
 from dflash.objective import BlockOutput, DFlashObjective
-from dflash.target.frozen import Target, greedy_labels
+from dflash.target_model.frozen import Target, greedy_labels
 
 
 @runtime_checkable
@@ -184,13 +186,25 @@ def dspark_distribution_losses(hidden: torch.Tensor, target_hidden: torch.Tensor
 # ---- the objective ---------------------------------------------------------------------------------
 
 
+def dspark_metrics(t: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """DSpark's flushed metrics from a window's sums: accuracy / tau are the Markov-corrected drafts', loss their
+    weighted CE; then the loss terms and the confidence head's calibration (mean predicted confidence against
+    the mean soft acceptance 1 - L1 / 2 over the supervised slots)."""
+    return {"base_accuracy": ratio(t["base_correct"], t["scored"]).item(),
+            "base_tau": 1.0 + ratio(t["base_accepted"], t["blocks"]).item(),
+            "dspark_loss": ratio(t["objective_sum"], t["weight_sum"]).item(),  # what is minimised: CE, L1, BCE mixed
+            "l1_loss": ratio(t["l1_loss_sum"], t["weight_sum"]).item(),  # ||p_draft - p_target||_1 (2 x TV)
+            "confidence_loss": ratio(t["confidence_loss_sum"], t["weight_sum"]).item(),  # BCE vs the soft target
+            "mean_confidence": ratio(t["confidence_sum"], t["scored"]).item(),
+            "mean_acceptance": ratio(t["acceptance_sum"], t["scored"]).item()}
+
+
 class DSparkObjective(DFlashObjective):
     """DSpark block losses (module doc). Same interface as `DFlashObjective`; fills the "dspark" metrics.
 
     `gamma` is DSpark's decay (`dspark.loss_decay_gamma`: a number, or None for none); `ce_alpha`, `l1_alpha`,
     `confidence_alpha` weigh the three terms (the last one needs the draft's confidence head)."""
 
-    metrics_variant = "dspark"
 
     def __init__(self, target: Target, draft: DSparkDraftModel, *, ce_alpha: float = 0.1, l1_alpha: float = 0.9,
                  confidence_alpha: float = 1.0, **kwargs: Any) -> None:
@@ -205,6 +219,13 @@ class DSparkObjective(DFlashObjective):
             raise ValueError("DSpark's position weights are decay or none (D-PACE is not implemented for its loss)")
         super().__init__(target, draft, **kwargs)
         self.ce_alpha, self.l1_alpha, self.confidence_alpha = ce_alpha, l1_alpha, confidence_alpha
+
+    def metric_layout(self) -> MetricLayout:
+        """Every slot proposes (bs of them); the backbone-only argmax's accuracy / tau, the loss terms and the
+        confidence calibration beside DFlash's."""
+        return MetricLayout(self.block_size, {"base_correct": 1, "base_accepted": 1, "objective_sum": 1,
+                                              "l1_loss_sum": 1, "confidence_loss_sum": 1, "confidence_sum": 1,
+                                              "acceptance_sum": 1}, dspark_metrics)
 
     def plan(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None,
              num_anchors: int | None = None, rows: GlobalRows | None = None,

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-from dflash import __version__
+from dflash.version import __version__
 
 T = TypeVar("T")
 

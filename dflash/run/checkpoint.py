@@ -51,7 +51,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from dflash.files import write_atomic
-from dflash.kinds.drafts import draft_model_for_config
+from dflash.kinds.registry import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 from dflash.run.safe_load import header_problem, trainer_state_problems, weights_problem
 
@@ -426,7 +426,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", draft:
 
 
 def draft_from_checkpoint(draft_state: dict[str, torch.Tensor], draft_config: dict[str, Any]) -> torch.nn.Module:
-    """Rebuild the draft saved in a checkpoint (DFlash, or Domino when its config says so); a CheckpointError
+    """Rebuild the draft saved in a checkpoint (of the kind its config holds: `registry.kind_of`); a CheckpointError
     naming the tensors when the weights do not fit the config (an edited or swapped draft_config.json)."""
     try:
         model = draft_model_for_config(DFlashDraftConfig.from_dict(draft_config))

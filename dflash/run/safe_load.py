@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dflash.kinds.drafts import draft_model_for_config
+from dflash.kinds.registry import draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 
 # safetensors' dtype names and their sizes in bytes

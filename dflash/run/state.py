@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dflash.config import flatten
-from dflash.kinds.drafts import draft_model_for_config
+from dflash.kinds.registry import KINDS, draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 from dflash.optim import DraftOptimizers
 from dflash.run.checkpoint import CheckpointError
@@ -47,11 +47,12 @@ log = logging.getLogger("dflash")
 # what one changes on purpose to extend a run or calm a diverging one, and the rest (intervals, budgets,
 # reporting, compile, distributed mode) does not change what a step computes. `tensor_parallel.size` is
 # run-defining (the sharded target sums its matmuls in another order); `tensor_parallel.overlap` is not (the
-# overlapped schedule computes the same features as the unsplit one, tests/test_tensor_parallel.py).
-RUN_DEFINING = ("target", "draft.", "domino.", "dflash2.", "dspark.", "seed", "batch_size", "optim.grad_accum", "param_dtype",
-                "data.source", "data.split", "data.limit", "data.eval_size", "data.max_length",
-                "data.bucket_multiple", "data.packing", "data.pack_length", "data.labels", "data.regenerate",
-                "tensor_parallel.size")
+# overlapped schedule computes the same features as the unsplit one, tests/test_tensor_parallel.py). Every
+# draft kind's own section is run-defining, as the draft section is.
+RUN_DEFINING = ("target", "draft.", *(f"{kind.section}." for kind in KINDS if kind.section), "seed", "batch_size",
+                "optim.grad_accum", "param_dtype", "data.source", "data.split", "data.limit", "data.eval_size",
+                "data.max_length", "data.bucket_multiple", "data.packing", "data.pack_length", "data.labels",
+                "data.regenerate", "tensor_parallel.size")
 NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes
 
 

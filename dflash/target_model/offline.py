@@ -20,8 +20,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.modeling import text_config_of
-from dflash.runtime import target_location
-from dflash.target.frozen import SharedHead, checked_layer_ids
+from dflash.target_model.frozen import SharedHead, checked_layer_ids
+from dflash.target_model.loading import target_location
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"

@@ -30,10 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash.modeling import cache_kwarg, text_config_of
-from dflash.runtime import init_distributed, load_target_config, load_tokenizer, target_location
-from dflash.target.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
-from dflash.target.tp_group import GroupBatchTarget
-from dflash.target.tp_overlap import run_trunk
+from dflash.runtime import init_distributed
+from dflash.target_model.loading import load_target_config, load_tokenizer, target_location
+from dflash.target_model.tensor_parallel import TensorParallelTarget, check_tp_support, tp_mesh
+from dflash.target_model.tp_group import GroupBatchTarget
+from dflash.target_model.tp_overlap import run_trunk
 
 _STOP, _FORWARD = 0, 1
 _NO_CACHE, _NEW_CACHE, _SAME_CACHE = 0, 1, 2  # the header's cache modes
@@ -79,7 +80,7 @@ class _Output(dict):
 
 class _Taps(nn.Module):
     """`get_decoder()` of a `LockstepTarget`: one identity module per decoder layer, called with that
-    layer's output, so forward hooks on `layers[i]` (`dflash.target.frozen.LayerCapture`) see the features."""
+    layer's output, so forward hooks on `layers[i]` (`dflash.target_model.frozen.LayerCapture`) see the features."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__()

@@ -3,10 +3,10 @@ the offline features' stand-in (`offline`), and the tensor-parallel one (`tensor
 overlapped trunk `tp_overlap`, its group and batch sharing `tp_group`, its lockstep decoding `tp_decode`).
 Imports nothing from the data, run or evaluation layers.
 
-`from dflash.target import FrozenTarget, Target, ...` names the frozen target's pieces and the declared
+`from dflash.target_model import FrozenTarget, Target, ...` names the frozen target's pieces and the declared
 interface every target implements."""
 
-from dflash.target.frozen import (
+from dflash.target_model.frozen import (
     CAUSAL_WITHOUT_MASK,
     FrozenTarget,
     LayerCapture,

@@ -3,7 +3,7 @@
 Sharding follows the model's own `config.base_model_tp_plan` (transformers' per-architecture plan):
 "colwise" linears (q/k/v, gate/up) keep this rank's rows (its attention heads, its KV heads, its
 slice of the intermediate), "rowwise" linears (o_proj, down_proj) its columns, and their partial
-outputs are all-reduced by our own schedule (`dflash.target.tp_overlap`: unsplit, or two batch halves whose
+outputs are all-reduced by our own schedule (`dflash.target_model.tp_overlap`: unsplit, or two batch halves whose
 all-reduces hide behind each other's compute, `tensor_parallel.overlap`). Norms (Qwen3's per-head q_norm /
 k_norm included), the rotary tables, the embedding and the LM head stay whole on every rank (plan
 entries outside the layers, such as a vocab-parallel embedding, are ignored): the draft needs the
@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.modeling import text_config_of
-from dflash.target.frozen import (
+from dflash.target_model.frozen import (
     SharedHead,
     check_layer_types,
     check_target_accepted,
@@ -44,8 +44,8 @@ from dflash.target.frozen import (
     hf_model_of,
     refuse_packed_rows,
 )
-from dflash.target.offline import safetensors_weight_map
-from dflash.target.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
+from dflash.target_model.offline import safetensors_weight_map
+from dflash.target_model.tp_overlap import REDUCED_BIAS, SCHEDULES, run_trunk
 
 # Decoders whose forward is embed -> rotary -> [norm, attention, residual, norm, MLP, residual] * L
 # -> norm with the linears below: what `run_trunk` reimplements (Gemma-style embedding scaling, fused
@@ -209,7 +209,7 @@ def _load_shards_(model: nn.Module, folder: Path, sources: dict[str, tuple[str, 
 def _refuse_sharded_forward(module: nn.Module, args: Any) -> None:
     raise RuntimeError(f"this {type(module).__name__} is sharded over a tensor-parallel group: its own forward would "
                        "skip the row-parallel all-reduces (wrong outputs); call the TensorParallelTarget instead "
-                       "(dflash.target.tp_decode.LockstepTarget to decode). HF generate() cannot run it, so with "
+                       "(dflash.target_model.tp_decode.LockstepTarget to decode). HF generate() cannot run it, so with "
                        "tensor_parallel.size > 1 data.regenerate needs the target's replies already cached: run "
                        "`dflash generate` where the whole target fits, or answer the prompts with a serving engine "
                        "and train on that file with data.regenerate: false")
@@ -222,13 +222,13 @@ class TensorParallelTarget(SharedHead, nn.Module):
     same result: `forward` gives the features `[B, S, K*H]` (output of decoder layer i for each i in
     `layer_ids`, concatenated, as `FrozenTarget`), `features_and_greedy` also the greedy labels.
     `rows` restricts what is returned (and kept) to a contiguous slice of the batch: the group-batch
-    path (`dflash.target.tp_group.GroupBatchTarget`).
+    path (`dflash.target_model.tp_group.GroupBatchTarget`).
 
     `model`: an HF causal LM of a supported architecture, loaded with sdpa or flash attention, whole
     on every rank; its decoder linears are replaced by this rank's shards (the model is no longer
     usable as a whole). `group`: a (dp x tp) `DeviceMesh`, a 1-D mesh or a ProcessGroup.
     `schedule`: "overlap" (`tensor_parallel.overlap` on), "unsplit" (off) or "split" (benchmarks), see
-    `dflash.target.tp_overlap`; it may be changed between calls.
+    `dflash.target_model.tp_overlap`; it may be changed between calls.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], group: DeviceMesh | dist.ProcessGroup, *,

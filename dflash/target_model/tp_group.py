@@ -1,6 +1,6 @@
 """The group batch of a tensor-parallel target: one TP forward over the group's micro-batches.
 
-A TP group runs the sharded target (`dflash.target.tensor_parallel.TensorParallelTarget`) once on the
+A TP group runs the sharded target (`dflash.target_model.tensor_parallel.TensorParallelTarget`) once on the
 concatenation of its ranks' micro-batches, gathered on the device, and each rank keeps the features
 of its own rows; the draft stays data-parallel over every rank with no repeated draft work.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash.target.frozen import SharedHead, refuse_packed_rows
-from dflash.target.tensor_parallel import TensorParallelTarget
-from dflash.target.tp_overlap import gather_group_batch, own_rows
+from dflash.target_model.frozen import SharedHead, refuse_packed_rows
+from dflash.target_model.tensor_parallel import TensorParallelTarget
+from dflash.target_model.tp_overlap import gather_group_batch, own_rows
 
 
 def group_features(target: TensorParallelTarget, input_ids: torch.Tensor, *, greedy: bool = False,

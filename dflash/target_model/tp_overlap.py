@@ -1,6 +1,6 @@
 """The tensor-parallel trunk's forward and its communication schedule (`tp_overlap`).
 
-Each decoder layer of a sharded trunk (`dflash.target.tensor_parallel`) has two row-parallel outputs: the
+Each decoder layer of a sharded trunk (`dflash.target_model.tensor_parallel`) has two row-parallel outputs: the
 attention output (this rank's heads through its columns of `o_proj`) and the MLP output (its slice
 of the intermediate through its columns of `down_proj`). Each is a partial sum `[b, S, H]` that the
 TP group all-reduces before the residual add. Schedules (`SCHEDULES`):
@@ -24,7 +24,7 @@ wait. Waits are `Work.wait()`: on NCCL a stream wait (the compute stream waits f
 the host does not block), on gloo the host waits for the collective's thread. Nothing reads a device
 value on the host. Odd and size-1 batches run unsplit (equal halves keep one shape per stage).
 
-`gather_group_batch` and `own_rows` are the group batch's collectives (used by `dflash.target.tp_group`).
+`gather_group_batch` and `own_rows` are the group batch's collectives (used by `dflash.target_model.tp_group`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def attention_partial(layer: nn.Module, hidden: torch.Tensor, position_embedding
     `hidden` `[b, S, H]`: input norm, its q/k/v heads (per-head q_norm / k_norm where the model has
     them), causal attention with no mask (right padding is exact for every real token), its o_proj
     columns. The model's own attention module runs it, on its sharded projections. `attention`: extra
-    arguments of the attention module (a mask and a KV cache, for decoding: `dflash.target.tp_decode`)."""
+    arguments of the attention module (a mask and a KV cache, for decoding: `dflash.target_model.tp_decode`)."""
     normed = layer.input_layernorm(hidden)
     kwargs = {"attention_mask": None, **attention}
     return layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings, **kwargs)[0]
