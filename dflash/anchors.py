@@ -61,8 +61,11 @@ class GlobalRows:
     """Where a micro-batch's rows sit in the batch of all ranks: rows `offset .. offset + B` of `total`,
     positions up to `width` (the longest a padded row can be, `data.max_length`). Every rank draws the
     scores of the whole `[total, width]` batch from the same generator state and keeps its slice, so a
-    row's anchors depend on (seed, step, global row, position) alone, not on how rows are spread over
-    processes: 2 processes of B rows draw what one process of 2B rows draws."""
+    row's anchors depend on (seed, step, micro-step, global row, position) alone, not on how rows are spread over
+    processes: 2 processes of B rows draw, at each micro-step, what one process of 2B rows draws. The global rows
+    are numbered per micro-batch, so with gradient accumulation one process matches 2 ranks when its micro-batch
+    i holds each rank's micro-batch i (the sampler's layout: `data.loader`, a block of each global micro-batch per
+    rank); any per-row draw (anchors, Domino's scheduled sampling) follows that order."""
 
     offset: int
     total: int
