@@ -46,7 +46,7 @@ from dflash.report.sinks import history_record
 from dflash.run.checkpoint import checkpoint_path, load_checkpoint, resolve_resume, save_checkpoint, write_run_config
 from dflash.run.compiling import ShapeLog, batch_shape, compile_draft_call, keep_compile_cache
 from dflash.run.data_parallel import DataParallelDraft
-from dflash.run.folder import RunFolder
+from dflash.run.folder import REPORT_NAME, RunFolder
 from dflash.run.graphs import Capture, StepGraphs, step_graphs
 from dflash.run.loop import RunLoop
 from dflash.run.state import (
@@ -60,6 +60,7 @@ from dflash.run.state import (
     load_draft_state,
     load_init_from,
     load_optimizer_state,
+    log_resolved_steps,
     restore_rng,
     resume_record,
     rng_state,
@@ -323,6 +324,7 @@ class DFlashTrainer:
             rows = len(corpus.train)  # the held-out peak's epochs: rows before packing
             corpus.train = training_rows(corpus.train, cfg.data)  # data.packing: the rows as packed sequences
             apply_num_epochs(self, len(corpus.train))  # num_epochs: max_steps and the schedules from the rows
+            log_resolved_steps(self.resumed, cfg)  # a resume's max_steps change, known only now with num_epochs
             padding = padding_of(corpus.train, cfg.batch_size * cfg.optim.grad_accum, self._collator(), seed=cfg.seed)
             if padding is not None and self.rank == 0:  # what every step pays for its buckets, known before the first
                 log.info(padding.describe())
@@ -345,7 +347,7 @@ class DFlashTrainer:
         if spec_eval and (report := phases.timed("speculative_eval", self.speculative_eval,
                                                  corpus.held_out_conversations, draft=final_draft)) is not None:
             summary["speculative"] = report  # rank 0 (under tensor_parallel its TP group decoded with it)
-            (run_dir / "export" / "eval.json").write_text(json.dumps(report, indent=2))
+            (run_dir / "export" / REPORT_NAME).write_text(json.dumps(report, indent=2))
 
     def speculative_eval(self, conversations: list[dict[str, Any]], num_prompts: int | None = None, *,
                          draft: torch.nn.Module | None = None) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 import yaml
+from test_cli import _args
 
 from dflash.cli.main import main
 from dflash.config import TrainConfig, _keys
@@ -157,3 +158,23 @@ def test_apply_num_epochs_moves_the_step_count_and_restarts_the_schedules():
     untouched = types.SimpleNamespace(config=_config(), world_size=1, rank=0)  # no num_epochs: nothing read or set
     apply_num_epochs(untouched, 37)
     assert untouched.config.max_steps == TrainConfig.max_steps
+
+
+def test_resuming_a_num_epochs_run_logs_only_a_real_max_steps_change(tiny_target_dir, conversations_file, tmp_path,
+                                                                      capsys):
+    """Resuming `num_epochs=1` with the same command logged `resume: max_steps: 8 -> 1000`: the checkpoint's count
+    (set from the rows) against max_steps' default, before num_epochs had set it. It is compared once set: the same
+    command logs no change, two epochs log 8 -> 16, and a max_steps without num_epochs is logged as before."""
+    args = _args(tiny_target_dir, conversations_file, tmp_path / "run", "num_epochs=1", "spec_eval_prompts=0",
+                 "export_on_finish=false")  # 32 training rows: 8 batches of 4 an epoch
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "resume_from=latest"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "resume: max_steps" not in err
+    assert main([*args, "resume_from=latest", "num_epochs=2"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: num_epochs: 1.0 -> 2.0 (accepted" in err
+    assert "resume: max_steps: 8 -> 16, from num_epochs=2 (accepted" in err and err.count("resume: max_steps") == 1
+    assert main([*args, "resume_from=latest", "num_epochs=null", "max_steps=18"]) == 0
+    assert "resume: max_steps: 16 -> 18 (accepted" in capsys.readouterr().err

@@ -41,6 +41,7 @@ from dflash.evaluation.speculative import target_generate
 from dflash.factory import build_draft
 from dflash.kinds.record import DraftKind
 from dflash.kinds.registry import DFLASH, DFLASH2, DOMINO, DSPARK
+from dflash.run.folder import ENGINE_REPORT_NAME, REPORT_FILE, REPORT_NAME, new_report_path
 
 NUM_PROMPTS, NEW_TOKENS, BLOCK = 8, 64, 8
 
@@ -224,3 +225,41 @@ def test_the_cpu_k_norm_fault_is_named_for_a_draft_whose_layers_differ(tmp_path)
     assert "k_norm" in context_norm_caveat(differ, cpu, version)
     assert context_norm_caveat(same, cpu, version) is None
     assert context_norm_caveat(differ, torch.device("cuda"), version) is None
+
+
+def test_the_engine_report_takes_the_first_free_name_and_never_replaces_an_earlier_one(tmp_path):
+    """`dflash eval --engine vllm` replaced DRAFT/eval_vllm.json; it takes eval_vllm-N.json beside it as `dflash eval`
+    takes eval-N.json, by the same rule, and `export/` recognises every name the rule gives as dflash's."""
+    assert new_report_path(tmp_path, ENGINE_REPORT_NAME) == tmp_path / "eval_vllm.json"
+    (tmp_path / "eval.json").write_text("{}")  # dflash's own report: not the engine's name
+    assert new_report_path(tmp_path, ENGINE_REPORT_NAME) == tmp_path / "eval_vllm.json"
+    given = []
+    for _ in range(3):
+        given.append(new_report_path(tmp_path, ENGINE_REPORT_NAME))
+        given[-1].write_text("{}")
+    assert [p.name for p in given] == ["eval_vllm.json", "eval_vllm-2.json", "eval_vllm-3.json"]
+    assert new_report_path(tmp_path, REPORT_NAME).name == "eval-2.json"
+    assert all(REPORT_FILE.fullmatch(p.name) for p in [*given, tmp_path / "eval-2.json", tmp_path / "eval-12.json"])
+
+
+def test_eval_with_the_engine_keeps_the_report_there_and_writes_the_next_name(tmp_path, monkeypatch, capsys):
+    """Through the CLI, the engine and dflash's own decoding stubbed: a second report goes beside the first."""
+    torch.manual_seed(0)
+    export = export_draft(build_draft(tiny_config(draft__num_layers=1), make_tiny_target(), None), tmp_path / "draft")
+    own = {"num_prompts": 1, "tau": 2.0, "per_position_acceptance": [0.5, 0.3, 0.1], "speculative_tokens_per_s": 2.0,
+           "target_tokens_per_s": 1.0, "speedup": 2.0}
+    monkeypatch.setattr(engine_eval, "run_eval", lambda *args, **kwargs: own)
+    monkeypatch.setattr(engine_eval, "vllm_decode", lambda *args, spec, **kwargs: {
+        "outputs": [[5, 6, 7]], "seconds": 1.0, "start_seconds": 0.0,
+        "counters": SpecCounters(drafts=2, draft_tokens=6, accepted_tokens=1, accepted_per_position=[1, 0, 0])})
+    earlier = tmp_path / "draft" / "eval_vllm.json"
+    earlier.write_text('{"earlier": true}')
+    argv = ["eval", "--draft", str(export), "--target", "embedded", "--engine", "vllm", "--prompts", "chitchat",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(argv) == 0
+    assert f"wrote {tmp_path / 'draft' / 'eval_vllm-2.json'} (the earlier {earlier} is kept" in capsys.readouterr().err
+    assert json.loads(earlier.read_text()) == {"earlier": True}
+    assert json.loads((tmp_path / "draft" / "eval_vllm-2.json").read_text())["dflash"] == own
+    assert main(argv) == 0 and (tmp_path / "draft" / "eval_vllm-3.json").is_file()
+    assert main([*argv, "--out", str(earlier)]) == 0  # a named path is replaced
+    assert json.loads(earlier.read_text())["engine"] == "vllm"

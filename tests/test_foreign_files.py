@@ -22,7 +22,7 @@ from test_cli import _args
 
 from dflash.cli.main import main
 from dflash.report.sinks import HISTORY_BACKUP
-from dflash.run.folder import EXPORT_FILES, RUN_RECORD
+from dflash.run.folder import ENGINE_REPORT_NAME, REPORT_NAME, RUN_RECORD, new_report_path, own_export_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,12 +88,19 @@ def test_a_users_files_in_checkpoints_and_export_survive_resume_pruning_and_over
 
 
 def test_a_finished_runs_export_holds_only_the_names_an_overwrite_removes(train, tmp_path):
-    """`EXPORT_FILES` is what an overwrite removes from `export/` (anything else is kept as the user's)."""
+    """`own_export_file` is what an overwrite removes from `export/` (anything else is kept as the user's): the
+    draft's files and every report `dflash eval` writes beside them, eval-2.json and eval_vllm-2.json included
+    (those were kept as a user's files, so the folder stayed)."""
     run = tmp_path / "run"
     assert train(run, "max_steps=2", "export_on_finish=true", "spec_eval_prompts=2") == 0
-    assert {"model.safetensors", "config.json", "eval.json"} <= set(os.listdir(run / "export")) <= EXPORT_FILES
+    names = set(os.listdir(run / "export"))
+    assert {"model.safetensors", "config.json", "eval.json"} <= names and all(map(own_export_file, names)), names
+    for report in (REPORT_NAME, ENGINE_REPORT_NAME, REPORT_NAME):  # as `dflash eval` (--engine vllm) names them
+        new_report_path(run / "export", report).write_text("{}")
+    assert {"eval-2.json", "eval_vllm.json", "eval-3.json"} <= set(os.listdir(run / "export"))
     assert train(run, "max_steps=2", "overwrite_output_dir=true") == 0
     assert not (run / "export").exists()  # only dflash's files were there: the folder went with them
+    assert not any(map(own_export_file, ["eval-1.json", "eval-02.json", "eval_vllm-x.json", "my-eval.json", "notes"]))
 
 
 # ---- 2. no write or prune through a link the run did not make --------------------------------------------

@@ -130,3 +130,24 @@ def test_the_dry_run_names_the_phases_and_bounds_the_training_time(tiny_target_d
     assert lines["time_estimate"].startswith("training until max_steps=20, with no time bound (no time_budget_minutes)")
     assert lines["phases_to_run"] == ("data_preparation (no regeneration: the data's own replies), "
                                       "first_step (compiles the draft: compile=true), training")
+
+
+def test_the_dry_run_shows_the_steps_num_epochs_sets(tiny_target_dir, conversations_file, tmp_path, capsys):
+    """`dflash train num_epochs=2 --dry-run` showed `steps 1,000` (max_steps' default) for a run that trained 16: it
+    shows the trainer's own count (`epoch_steps`) over the training rows it counts, and the run trains that many."""
+    args = _args(tiny_target_dir, conversations_file, tmp_path / "run", "num_epochs=2", "spec_eval_prompts=0",
+                 "export_on_finish=false", "eval_interval=4")
+
+    def dry(*extra: str) -> dict[str, str]:
+        assert main([*args, *extra, "--dry-run"]) == 0
+        return dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+
+    lines = dry()  # 40 conversations, 8 held out: 32 rows, 8 batches of 4 an epoch
+    assert lines["steps"] == ("from num_epochs=2 over 32 training rows = 16; at most: the run counts the rows left "
+                              "after tokenization, and logs the steps they give")
+    assert lines["phase_training"].startswith("up to 16 steps x 4 rows per rank, over 32 training conversations of 40 "
+                                              "in the source (~2.0 epochs on one process)")
+    assert lines["phase_evaluation"].startswith("8 held-out conversations (4 times during training")
+    assert dry("max_steps=5")["steps"].startswith("from num_epochs=2 over 32 training rows = 5 (max_steps=5 caps it)")
+    assert main(args) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 16

@@ -25,6 +25,7 @@ from dflash.losses import decay_gamma
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies
 from dflash.run.folder import check_folder
+from dflash.run.stopping import epoch_steps
 from dflash.runtime import resolve_device, resolve_dtype
 from dflash.target_model.loading import load_target_config, load_tokenizer, target_location
 from dflash.target_model.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
@@ -74,6 +75,22 @@ def time_estimate(config: TrainConfig) -> str:
             "phase's seconds in RUN/summary.json (wall_seconds, phases)")
 
 
+def training_steps(config: TrainConfig, train_rows: int) -> tuple[int, int | str]:
+    """(the steps, as the plan shows them): `max_steps`; with num_epochs, `epoch_steps`, the trainer's own count
+    (`apply_num_epochs`), over the `train_rows` counted here. The run counts the rows left after tokenization (and
+    packing), never more: its steps are at most these."""
+    if config.num_epochs is None:
+        return config.max_steps, config.max_steps
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the processes the trainer's count divides the rows among
+    steps = epoch_steps(config, train_rows, world)
+    capped = config.max_steps != TrainConfig.max_steps and steps == config.max_steps
+    packed = f", packed into sequences of {pack_length(config.data)} tokens" if config.data.packing else ""
+    return steps, (f"from num_epochs={config.num_epochs:g} over {train_rows:,} training rows"
+                   + (f" on {world} processes" if world > 1 else "") + f" = {steps:,}"
+                   + (f" (max_steps={config.max_steps:,} caps it)" if capped else "")
+                   + f"; at most: the run counts the rows left after tokenization{packed}, and logs the steps they give")
+
+
 def phases_to_run(config: TrainConfig, regeneration: str, held_out: int | None) -> str:
     """The phases the run will go through, named as RUN/summary.json's `phases` names them (`dflash.report.phases`),
     each with what decides its cost. `held_out`: the held-out conversations (None: unknown before the run loads
@@ -90,20 +107,23 @@ def phases_to_run(config: TrainConfig, regeneration: str, held_out: int | None) 
 def phases(config: TrainConfig) -> dict[str, Any]:
     """The run's time budget and phases (regeneration, training, evaluation) with their sizes, counted from
     the data source and the regeneration cache (`dflash.data.corpus`'s own split and file rules; no model runs);
-    the phases that will run, and the time bound the config sets (`time_estimate`).
+    the phases that will run, the time bound the config sets (`time_estimate`), and under `steps` the step count
+    (`training_steps`: num_epochs makes it from the training rows counted here; `plan` shows it in its place).
     A hub dataset is not downloaded for this: its sizes are known once the run loads it."""
     d = config.data
     rows = config.batch_size * config.optim.grad_accum
     budget = (f"{config.time_budget_minutes:g} min of training, then save, evaluate and export"
-              if config.time_budget_minutes else "none (training runs to max_steps)")
+              if config.time_budget_minutes else
+              f"none (training runs to {'max_steps' if config.num_epochs is None else 'the steps of num_epochs'})")
     # phases_to_run is filled once the regeneration is counted; its place is here, after the time lines
     out: dict[str, Any] = {"time_budget": budget, "time_estimate": time_estimate(config), "phases_to_run": None}
-    training = f"up to {config.max_steps:,} steps x {rows} rows per rank"
-    evals = config.max_steps // config.eval_interval if config.eval_interval else 0
     if d.source != "chitchat" and not Path(d.source).expanduser().exists():
+        out["steps"] = config.max_steps if config.num_epochs is None else \
+            f"from num_epochs={config.num_epochs:g} over the training rows, counted once the run loads the source"
         out["phases_to_run"] = phases_to_run(config, "read from the hub; regeneration counted once loaded"
                                              if d.regenerate and not d.features else "read from the hub", None)
-        out["phase_training"] = training
+        out["phase_training"] = (f"up to {config.max_steps:,} steps x {rows} rows per rank" if config.num_epochs is None
+                                 else f"num_epochs={config.num_epochs:g} passes, in steps of {rows} rows per rank")
         out["phases"] = f"data.source {d.source!r} is not a local file: its sizes are counted once the run loads it"
         return out
     train, held, _, available = split_conversations(d)
@@ -128,10 +148,12 @@ def phases(config: TrainConfig) -> dict[str, Any]:
         out["phase_regeneration"] = "off (data.regenerate=false: the data's own replies)"
         regeneration = "no regeneration: the data's own replies"
     out["phases_to_run"] = phases_to_run(config, regeneration, len(held))
-    epochs = config.max_steps * rows / max(len(prompts), 1)
-    out["phase_training"] = (f"{training}, over {len(prompts):,} training conversations of {available:,} in the source "
-                             f"(~{epochs:.1f} epochs on one process)" + (", unless the time budget ends it first"
-                                                                          if config.time_budget_minutes else ""))
+    steps, out["steps"] = training_steps(config, len(prompts))
+    evals = steps // config.eval_interval if config.eval_interval else 0
+    epochs = steps * rows / max(len(prompts), 1)
+    out["phase_training"] = (f"up to {steps:,} steps x {rows} rows per rank, over {len(prompts):,} training conversations "
+                             f"of {available:,} in the source (~{epochs:.1f} epochs on one process)"
+                             + (", unless the time budget ends it first" if config.time_budget_minutes else ""))
     spec = min(config.spec_eval_prompts, len(held))
     out["phase_evaluation"] = (f"{len(held):,} held-out conversations ({evals} times during training, then at the end); "
                                f"speculative decoding of up to {spec} held-out prompts x {config.spec_eval_max_new_tokens} "
@@ -170,6 +192,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         offline_target(config, None, tokenizer, dtype=dtype)
     tp = config.tensor_parallel.size
     rows = config.batch_size * config.optim.grad_accum
+    stages = phases(config)  # counts the training rows the steps of num_epochs come from
     return {
         "target": config.target,
         "target_source": source,
@@ -191,7 +214,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         if config.data.packing else rows,
         "max_tokens_per_step": rows * (pack_length(config.data) if config.data.packing else config.data.max_length),
         "blocks_per_step": rows * ds.num_anchors,
-        "steps": config.max_steps,
+        "steps": stages.pop("steps"),
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "mesh": mesh(tp),
@@ -203,7 +226,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "regenerate": config.data.regenerate,
         "labels": config.data.labels,
         "output_dir": config.output_dir,
-        **phases(config),
+        **stages,
     }
 
 

@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dflash: dflash's own decoder; vllm: also serve the target in vLLM with the draft as its "
                     "speculative draft and report vLLM's acceptance length, losslessness and tokens/s beside dflash's tau")
     ev.add_argument("--out", help="JSON report path, replaced if present (default: DRAFT/eval.json, or the first free "
-                    "DRAFT/eval-N.json when a report is there already; with --engine vllm DRAFT/eval_vllm.json)")
+                    "DRAFT/eval-N.json when a report is there already; with --engine vllm DRAFT/eval_vllm.json, "
+                    "else eval_vllm-N.json)")
     ev.set_defaults(func=_eval)
 
     ex = sub.add_parser("export", help="write a checkpoint's draft in the published DFlash format; "

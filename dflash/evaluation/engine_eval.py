@@ -44,17 +44,17 @@ from safetensors import safe_open
 
 from dflash.data.regenerate import target_stop_ids
 from dflash.engines.vllm_engine import build_llm, greedy_sampling, require_vllm, shutdown, token_prompts
-from dflash.evaluation.evaluate import check_writable, eval_conversations, prompt_ids, run_eval
+from dflash.evaluation.evaluate import check_writable, eval_conversations, prompt_ids, run_eval, write_report
 from dflash.evaluation.export import CONFIG_NAME, WEIGHTS_NAME, exported_folder, trained_target
 from dflash.evaluation.serving import num_speculative_tokens
 from dflash.kinds.record import DraftKind
 from dflash.kinds.registry import kind_of_export
+from dflash.run.folder import ENGINE_REPORT_NAME, new_report_path
 from dflash.runtime import resolve_device, resolve_dtype
 from dflash.target_model.loading import load_tokenizer, target_location, target_positions
 
 log = logging.getLogger(__name__)
 
-REPORT_NAME = "eval_vllm.json"  # the default report path, in the export folder
 WHY = "dflash eval --engine vllm"
 _GPU_ONLY = ("vLLM serves a {name} draft on GPUs only: vLLM 0.32's V1 model runner (the one a CPU runs) refuses "
              "{refusal}, and its V2 runner, which serves them, needs Triton on a GPU; evaluate it here without "
@@ -228,8 +228,10 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
                     max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto",
                     out: str | Path | None = None, held_out_size: int = 64) -> dict[str, Any]:
     """dflash's own evaluation (`run_eval`), then the export served by vLLM (module doc): one report, written as
-    JSON to `out` (default DRAFT/eval_vllm.json). A draft kind or device vLLM cannot serve is a ValueError before
-    anything loads (`vllm_refusal`); so is a missing vLLM (its install line)."""
+    JSON to `out` (replaced), else beside the export as DRAFT/eval_vllm.json, or the first free eval_vllm-N.json
+    when a report is there already (`new_report_path`: an earlier report is never replaced). A draft kind or
+    device vLLM cannot serve is a ValueError before anything loads (`vllm_refusal`); so is a missing vLLM (its
+    install line)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # vLLM's engine runs its own processes; every rank would start one
         raise ValueError(f"{WHY} runs in one process (vLLM starts its own workers), not under a launcher of "
                          f"{os.environ['WORLD_SIZE']} processes")
@@ -240,7 +242,7 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
         raise ValueError(why)
     dev = resolve_device(device)
     vllm = require_vllm(WHY)
-    path = Path(out) if out else export_dir / REPORT_NAME
+    path = Path(out) if out else new_report_path(export_dir, ENGINE_REPORT_NAME)
     check_writable(path)  # the report comes after minutes of decoding: a bad --out fails now
     target = target or trained_target(export_dir) or "embedded"  # run_eval's rule, resolved once for both engines
     tokenizer = load_tokenizer(target)
@@ -276,8 +278,7 @@ def run_engine_eval(draft_dir: str | Path, *, target: str | None = None, prompts
         "acceptance_ratio": figures["mean_acceptance_length"] / own["tau"],
         "caveats": [c for c in [context_norm_caveat(export_dir, dev, vllm.__version__)] if c],
     }
-    path.write_text(json.dumps(report, indent=2))
-    log.info("wrote %s", path)
+    write_report(report, out, export_dir, ENGINE_REPORT_NAME)
     return report
 
 

@@ -24,12 +24,12 @@ from dflash.data.sources import load_conversations
 from dflash.evaluation.export import check_compatible, exported_folder, load_exported, trained_held_out_split, trained_target
 from dflash.evaluation.speculative import evaluate_speculative
 from dflash.files import write_atomic
+from dflash.run.folder import REPORT_NAME, new_report_path
 from dflash.runtime import resolve_device, resolve_dtype
 from dflash.target_model.loading import load_target
 from dflash.target_model.tp_decode import decode_report, decode_session, eval_tensor_parallel, load_sharded_target
 
 log = logging.getLogger(__name__)
-REPORT_NAME = "eval.json"  # the default report, beside the draft (the training run's own is there too)
 
 
 def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts: int,
@@ -138,27 +138,31 @@ def check_writable(path: Path) -> None:
         pass
 
 
-def new_report_path(folder: Path) -> Path:
-    """`folder/eval.json`, or the first free `eval-N.json` (N from 2) when a report is there already: the
-    training run's (its summary.json names it) or an earlier evaluation's is never replaced by an evaluation
-    that did not name its output (`--out` does)."""
-    path, n = folder / REPORT_NAME, 2
-    while path.exists() or path.is_symlink():
-        path, n = folder / f"{Path(REPORT_NAME).stem}-{n}.json", n + 1
-    return path
-
-
-def write_new_report(folder: Path, text: str) -> Path:
-    """Write `text` to `new_report_path(folder)`, created afresh (exclusive create: never replacing a file nor
-    writing through a link; another evaluation that took the name meanwhile moves this one on); returns it."""
+def write_new_report(folder: Path, name: str, text: str) -> Path:
+    """Write `text` to `new_report_path(folder, name)`, created afresh (exclusive create: never replacing a file
+    nor writing through a link; another evaluation that took the name meanwhile moves this one on); returns it."""
     while True:
-        path = new_report_path(folder)
+        path = new_report_path(folder, name)
         try:
             with path.open("x") as f:
                 f.write(text)
             return path
         except FileExistsError:
             continue
+
+
+def write_report(report: dict[str, Any], out: str | Path | None, folder: Path, name: str) -> Path:
+    """Write `report` as JSON to `out`, replaced (the path the user named), else beside the draft in `folder` as
+    `name` or its first free `-N` (`write_new_report`); log where, and that an earlier report was kept."""
+    text = json.dumps(report, indent=2)
+    if out:
+        write_atomic(out, text)
+        path = Path(out)
+    else:
+        path = write_new_report(folder, name, text)
+    log.info("wrote %s%s", path, "" if out or path.name == name else
+             f" (the earlier {folder / name} is kept; --out names the report's path)")
+    return path
 
 
 def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str = "auto", num_prompts: int = 20,
@@ -172,7 +176,7 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
     or eval-N.json beside an earlier report). `prompts`: see `eval_conversations`. `write=False`: only return the
     report (`dflash eval --engine vllm` writes it inside its own, `engine_eval.run_engine_eval`)."""
     draft_dir = exported_folder(draft_dir)  # an export or a run folder's; what --draft is otherwise, said now
-    path = Path(out) if out else new_report_path(Path(draft_dir))
+    path = Path(out) if out else new_report_path(Path(draft_dir), REPORT_NAME)
     if write and (not dist.is_initialized() or dist.get_rank() == 0):
         check_writable(path)  # the report is written after minutes of decoding: a bad --out fails now
     conversations = eval_conversations(prompts, draft_dir, held_out_size)  # before any weight is read
@@ -192,11 +196,5 @@ def run_eval(draft_dir: str | Path, *, target: str | None = None, prompts: str =
                                        max_new_tokens=max_new_tokens)
     report = decode_report(model, run) if tp > 1 else run(model)
     if write and (not dist.is_initialized() or dist.get_rank() == 0):
-        text = json.dumps(report, indent=2)
-        if out:
-            write_atomic(path, text)  # the path the user named: replaced
-        else:
-            path = write_new_report(Path(draft_dir), text)
-        log.info("wrote %s%s", path, "" if out or path.name == REPORT_NAME else
-                 f" (the earlier {Path(draft_dir) / REPORT_NAME} is kept; --out names the report's path)")
+        write_report(report, out, Path(draft_dir), REPORT_NAME)
     return report

@@ -35,14 +35,13 @@ from safetensors.torch import save_file
 
 from dflash.data.features import file_sha256
 from dflash.files import write_atomic
-from dflash.run.folder import RunFolderError, refuse_dangerous
+from dflash.run.folder import REPORT_FILE, RunFolderError, refuse_dangerous
 
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CHECKSUM_KEY = "dflash_weights_sha256"  # top level of config.json: the sha256 of model.safetensors
-REPORT_NAMES = re.compile(r"eval(_vllm)?(-\d+)?\.json")  # the reports `fit` and `dflash eval` write beside it
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -100,7 +99,7 @@ def warn_stale_reports(out: Path, before: str | None) -> None:
     """After a re-export: name the evaluation reports beside it that scored other weights (kept, not removed:
     a report is the user's record; `dflash eval --draft OUT` scores the new ones)."""
     after = recorded_checksum(json.loads((out / CONFIG_NAME).read_text()))
-    reports = sorted(n for n in os.listdir(out) if REPORT_NAMES.fullmatch(n))
+    reports = sorted(n for n in os.listdir(out) if REPORT_FILE.fullmatch(n))
     if before is not None and before != after and reports:
         log.warning("%s: %s scored the weights this export replaced; evaluate again with dflash eval --draft %s",
                     out, ", ".join(reports), out)

@@ -53,10 +53,16 @@ LOCK_NAME = ".dflash.lock"
 # Everything a run writes at the folder's top level (a test checks a finished run's folder against it).
 RUN_ENTRIES = frozenset({RUN_RECORD, LOCK_NAME, HISTORY_BACKUP, "config.yaml", "metrics.jsonl", "checkpoints",
                          "export", SUMMARY_NAME, "tensorboard", "wandb", "plots"})
-# What dflash writes into `export/`: the published draft (`dflash.evaluation.export`) and the evaluation
-# reports beside it (`fit`, `dflash eval`). run/ sits below evaluation, hence the names again; a test
-# checks a finished run's export against them. A name missing here is kept by an overwrite, never lost.
-EXPORT_FILES = frozenset({"config.json", "model.safetensors", "eval.json", "eval_vllm.json"})
+# What dflash writes into `export/`: the published draft (`dflash.evaluation.export`; run/ sits below
+# evaluation, hence its names again) and the evaluation reports beside it (`REPORT_FILE`); a test checks a
+# finished run's export against them. A name missing here is kept by an overwrite, never lost.
+EXPORT_FILES = frozenset({"config.json", "model.safetensors"})
+# The evaluation reports beside a draft: `fit` and `dflash eval` write eval.json, `dflash eval --engine vllm`
+# eval_vllm.json. One owner for their naming rule (`new_report_path`), here below evaluation, so that the
+# writers pick names by it and `export/` recognises what they wrote by it.
+REPORT_NAME, ENGINE_REPORT_NAME = "eval.json", "eval_vllm.json"
+_STEMS = "|".join(re.escape(Path(name).stem) for name in (REPORT_NAME, ENGINE_REPORT_NAME))
+REPORT_FILE = re.compile(rf"({_STEMS})(-[2-9]|-[1-9][0-9]+)?\.json")  # NAME.json or NAME-N.json, N from 2
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -253,9 +259,24 @@ def claim(run_dir: Path, *, resume_from: str | None, overwrite: bool) -> RunLock
     return lock
 
 
+def new_report_path(folder: Path, name: str) -> Path:
+    """`folder/name` (`REPORT_NAME` or `ENGINE_REPORT_NAME`), or the first free `STEM-N.json` (N from 2) when a
+    report is there already: the training run's (its summary.json names it) or an earlier evaluation's is never
+    replaced by an evaluation that did not name its output (`--out` does)."""
+    path, n = folder / name, 2
+    while path.exists() or path.is_symlink():
+        path, n = folder / f"{Path(name).stem}-{n}.json", n + 1
+    return path
+
+
+def own_export_file(name: str) -> bool:
+    """Whether `name` inside a run's `export/` is one dflash writes there: the draft's files or a report."""
+    return name in EXPORT_FILES or REPORT_FILE.fullmatch(name) is not None
+
+
 def _own_inside(folder: str, name: str) -> bool:
     """Whether `name` inside a run's `checkpoints/` or `export/` is one dflash writes there."""
-    return OWN_CHECKPOINT_ENTRY.fullmatch(name) is not None if folder == "checkpoints" else name in EXPORT_FILES
+    return OWN_CHECKPOINT_ENTRY.fullmatch(name) is not None if folder == "checkpoints" else own_export_file(name)
 
 
 def _remove_previous_run(run_dir: Path, names: list[str]) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dflash.config import flatten
+from dflash.config import TrainConfig, flatten
 from dflash.kinds.registry import KINDS, draft_model_for_config
 from dflash.modeling import DFlashDraftConfig
 from dflash.optim import DraftOptimizers
@@ -54,11 +54,20 @@ RUN_DEFINING = ("target", "draft.", *(f"{kind.section}." for kind in KINDS if ki
                 "data.max_length", "data.bucket_multiple", "data.packing", "data.pack_length", "data.labels",
                 "data.regenerate", "tensor_parallel.size")
 NOT_COMPARED = ("resume_from",)  # differs by nature between a run's first launch and its resumes
+_ACCEPTED = "resume: %s (accepted: it does not change what the run trains on)"
+
+
+def _not_yet_known(current: dict[str, Any]) -> tuple[str, ...]:
+    """Keys the current config does not hold the run's value of at the resume: with num_epochs, max_steps (its
+    default or a cap) is set from the training rows later (`dflash.run.stopping.apply_num_epochs`), so the
+    checkpoint's, which holds the count its run set, is compared with that one then (`log_resolved_steps`)."""
+    return ("max_steps",) if current.get("num_epochs") is not None else ()
 
 
 def _differences(saved: dict[str, Any], current: dict[str, Any], defining: bool) -> list[str]:
     a, b = dict(flatten(saved)), dict(flatten(current))
-    keys = sorted(k for k in set(a) | set(b) if k not in NOT_COMPARED
+    skipped = (*NOT_COMPARED, *_not_yet_known(current))
+    keys = sorted(k for k in set(a) | set(b) if k not in skipped
                   and (k.startswith(RUN_DEFINING) or k in RUN_DEFINING) == defining)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
@@ -83,7 +92,16 @@ def check_resume_config(path: Any, saved: dict[str, Any], current: dict[str, Any
         raise ValueError(f"checkpoint {path} was written with a different configuration; resuming would not "
                          "continue the same run. Differences (checkpoint -> now):\n  " + "\n  ".join(refused))
     for change in accepted_changes(saved, current):
-        log.info("resume: %s (accepted: it does not change what the run trains on)", change)
+        log.info(_ACCEPTED, change)
+
+
+def log_resolved_steps(resumed: dict[str, Any] | None, config: TrainConfig) -> None:
+    """Once num_epochs has set `config.max_steps` from the training rows: log its change from the resumed
+    checkpoint's as `check_resume_config` logs the others (`_not_yet_known`: it left max_steps out then)."""
+    if resumed is None or config.num_epochs is None:
+        return
+    if (saved := resumed.get("max_steps")) != config.max_steps:
+        log.info(_ACCEPTED, f"max_steps: {saved!r} -> {config.max_steps!r}, from num_epochs={config.num_epochs:g}")
 
 
 def check_same_optimizer(path: Any, saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -112,10 +130,11 @@ def data_fingerprint(dataset: Any, max_rows: int = 20_000) -> str:
 
 
 def resume_record(path: Any, state: dict[str, Any], run_dir: Any) -> dict[str, Any]:
-    """What `fit` checks after a resume: the step, the data fingerprint saved with it, and the length and
-    CRC-32 metrics.jsonl had at that save (only when the checkpoint belongs to this run folder)."""
+    """What `fit` checks after a resume: the step, the data fingerprint and max_steps saved with it, and the length
+    and CRC-32 metrics.jsonl had at that save (only when the checkpoint belongs to this run folder)."""
     own = Path(path).resolve().parent.parent == Path(run_dir).resolve()
     return {"path": str(path), "step": int(state["step"]), "data_fingerprint": state.get("data_fingerprint"),
+            "max_steps": (state.get("config") or {}).get("max_steps"),  # the count its run trained to
             "metrics_bytes": state.get("metrics_bytes") if own else None,
             "metrics_crc32": state.get("metrics_crc32") if own else None,
             "data_position": (int(state["data_epoch"]), int(state["data_batches"])),
