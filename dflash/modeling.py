@@ -303,8 +303,10 @@ class DFlashDraftModel(nn.Module):
 
     fixed_block_size = False  # True: it decodes blocks of its trained block_size only (DFlash 2's convs)
 
-    def proposals_per_block(self, block_size: int) -> int:
-        """Draft tokens one block proposes: slot 0 holds the verified token, slots 1..bs-1 propose."""
+    @classmethod
+    def proposals_per_block(cls, block_size: int) -> int:
+        """Draft tokens one block proposes: slot 0 holds the verified token, slots 1..bs-1 propose. A class rule, so
+        the engines' counts are read from the kind's model class without building a draft (`DraftKind`)."""
         return block_size - 1
 
     @torch.no_grad()

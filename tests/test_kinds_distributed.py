@@ -147,7 +147,7 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(ranks, monkeypatc
     assert_two_ranks_equal_one(two, one, COMMON_METRICS + case.metrics)
     metrics = one["metrics"]
     assert metrics["supervised_tokens"] == 2 * sum(case.scored)  # the fixed plan was trained (twice), not a drawn one
-    proposals = one_trainer.block_size - (0 if record.every_slot_proposes else 1)  # DSpark: every slot proposes
+    proposals = record.proposals_per_block(one_trainer.block_size)  # DSpark: every slot proposes
     assert len(metrics["per_position_accuracy"]) == proposals
     case.checks(metrics)
 

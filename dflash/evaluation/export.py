@@ -85,7 +85,7 @@ from dflash.evaluation.export_folder import (
     warn_stale_reports,
     write_export_files,
 )
-from dflash.kinds.registry import KINDS, draft_model_for_config, kind_of, kind_of_export
+from dflash.kinds.registry import draft_model_for_config, kind_of, kind_of_export
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel, text_config_of
 from dflash.run.checkpoint import checkpoint_folder, draft_from_checkpoint, load_checkpoint_draft
 from dflash.target_model.frozen import hf_model_of
@@ -184,21 +184,15 @@ def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.d
     also write DeepSpec's copies of its embedding and LM head."""
     weights = draft.state_dict()
     if target_model is not None:
-        copies = kind_of(draft.config).target_copies
+        kind = kind_of(draft.config)
+        copies = kind.target_copies
         if not copies:
-            raise ValueError(_no_target_copies())
+            raise ValueError(f"target_model is for DSpark exports (DeepSpec's layout copies the target's embedding and "
+                             f"LM head); a {kind.title} export holds the draft's own weights only")
         model = hf_model_of(target_model)
         weights |= dict(zip(copies, (model.get_input_embeddings().weight, model.get_output_embeddings().weight),
                             strict=True))
     return export_state(draft.config, weights, out_dir, dtype=dtype, target=target, held_out=held_out)
-
-
-def _no_target_copies() -> str:
-    """Why an export of a kind without `target_copies` takes no target_model, naming the kinds on each side."""
-    copying = " / ".join(kind.title for kind in KINDS if kind.target_copies)
-    *others, last = (kind.title for kind in KINDS if not kind.target_copies)
-    return (f"target_model is for {copying} exports (DeepSpec's layout copies the target's embedding and LM head); "
-            f"a {', '.join(others)} or {last} export holds the draft's own weights only")
 
 
 def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_dir: str | Path, *,
@@ -281,7 +275,8 @@ def _export_checkpoint(path: Path, out_dir: Path) -> tuple[Path, Path]:
     data = run.get("data") or {}  # the whole resolved config (write_run_config): every key is there
     held_out = {k: data[k] for k in HELD_OUT_SPLIT_KEYS} if data.get("eval_size") else None
     draft, trained = draft_from_checkpoint(draft_state, draft_config), run.get("draft") or {}
-    # a checkpoint from before the factory recorded its kind's `draft` keys (DSpark's num_anchors): the run's
+    # a checkpoint from before the factory recorded its kind's `draft` keys (DSpark's num_anchors) takes them from
+    # its run's config.yaml
     extra = draft.config.extra
     extra.update({k: trained[k] for k in kind_of(draft.config).run_keys if k not in extra and k in trained})
     return folder, export_draft(draft, out_dir, target=run.get("target"), held_out=held_out)

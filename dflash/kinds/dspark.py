@@ -233,7 +233,8 @@ class DSparkDraftModel(DFlashDraftModel):
         self.confidence_head = (ConfidenceHead(cfg.hidden_size, head.markov_rank, head.confidence_head_with_markov)
                                 if head.enable_confidence_head else None)
 
-    def proposals_per_block(self, block_size: int) -> int:
+    @classmethod
+    def proposals_per_block(cls, block_size: int) -> int:
         """Every slot proposes (slot k the token after slot k's), slot 0 included."""
         return block_size
 

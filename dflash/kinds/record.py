@@ -123,9 +123,6 @@ class DraftKind:
     # `draft` settings its `draft_keys` record, which a checkpoint from before they were recorded takes from its run's
     # config.yaml on export.
     run_keys: tuple[str, ...] = ()
-    # Whether slot 0 proposes too (bs proposals per block, not bs - 1): its model's `proposals_per_block`, for the
-    # engines' counts, which are worked out from config.json without a draft.
-    every_slot_proposes: bool = False
     # vLLM's speculative `method`, SGLang's `--speculative-algorithm` and the extra SGLang flags its drafts need.
     vllm_method: str = "dflash"
     sglang_algorithm: str = "DFLASH"
@@ -166,6 +163,6 @@ class DraftKind:
         ] if wanted and why is not None]
 
     def proposals_per_block(self, block_size: int) -> int:
-        """Draft tokens one block of `block_size` slots proposes (its model's `proposals_per_block`): every slot
-        with `every_slot_proposes`, else slots 1..bs-1 (slot 0 holds the verified token)."""
-        return block_size if self.every_slot_proposes else block_size - 1
+        """Draft tokens one block of `block_size` slots proposes: its model class's rule (the engines' counts are
+        worked out from config.json, without a draft)."""
+        return self.model.proposals_per_block(block_size)

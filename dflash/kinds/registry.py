@@ -112,7 +112,7 @@ DSPARK = DraftKind(
     weight_names=lambda cfg: dspark.dspark_weight_names(DSparkHeadConfig.from_draft_config(cfg)),
     target_copies=dspark.TARGET_COPY_NAMES, export_fields=dspark.dspark_config_fields,
     top_level_keys=dspark.TOP_LEVEL_KEYS, nested_block_size=True,  # SGLang's DFlash parser reads dflash_config first
-    extra_from_export=dspark.dspark_extra_from_json, run_keys=dspark.TRAINING_KEYS, every_slot_proposes=True,
+    extra_from_export=dspark.dspark_extra_from_json, run_keys=dspark.TRAINING_KEYS,
     vllm_method="dspark", sglang_algorithm="DSPARK", vllm_cpu_refusal=dspark.VLLM_CPU_REFUSAL,
     vllm_source=dspark.VLLM_SOURCE, sglang_source=dspark.SGLANG_SOURCE, serving_fields=dspark.SERVING_FIELDS,
     built_shapes=dspark.dspark_built_shapes, serving_notes=dspark.dspark_serving_notes, titled_in_serving=True,
