@@ -321,7 +321,6 @@ class DFlashTrainer:
                                        rank=self.rank, world_size=self.world_size)
             check_corpus(corpus, self.draft_config.mask_token_id, self.tokenizer, warn=self.rank == 0)
             self.data_fingerprint = check_training_data(corpus, cfg, self.resumed)  # refuses a resume on other data
-            rows = len(corpus.train)  # the held-out peak's epochs: rows before packing
             corpus.train = training_rows(corpus.train, cfg.data)  # data.packing: the rows as packed sequences
             apply_num_epochs(self, len(corpus.train))  # num_epochs: max_steps and the schedules from the rows
             log_resolved_steps(self.resumed, cfg)  # a resume's max_steps change, known only now with num_epochs
@@ -329,7 +328,7 @@ class DFlashTrainer:
             if padding is not None and self.rank == 0:  # what every step pays for its buckets, known before the first
                 log.info(padding.describe())
             write_run_config(run_dir, cfg.to_dict())  # only now: a refused resume leaves the run's config.yaml as it was
-            loop = RunLoop(self, run_dir, phases, train_rows=rows, conversations=corpus.held_out_conversations)
+            loop = RunLoop(self, run_dir, phases, train_rows=len(corpus.train), conversations=corpus.held_out_conversations)
             return loop.run(self._device_batches(corpus.train), corpus.eval,
                             {"padding": padding.to_dict()} if padding is not None else {},
                             end_of_run=lambda summary: self._export_and_decode(run_dir, corpus, phases, summary))

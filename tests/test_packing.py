@@ -197,6 +197,10 @@ def test_the_dry_run_and_the_run_say_what_packing_does(tmp_path, capsys):
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["padding"]["slots"] == summary["padding"]["batches"] * 2 * 192
+    # epochs are passes over the packed sequences (a full batch of 2 each for the `batches`, one partial dropped):
+    # 2 steps x 2 of about 11, not over the 32 rows before packing
+    sequences = summary["padding"]["batches"] * 2
+    assert 4 / (sequences + 2) < summary["held_out_peak"]["epochs"] <= 4 / sequences
     for refused in (["data.features=/tmp/x"], ["tensor_parallel.size=2"]):
         assert main([*args, *refused, "--dry-run"]) == 2
         assert "data.packing" in capsys.readouterr().err

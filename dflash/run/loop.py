@@ -65,8 +65,8 @@ class Trainee(Protocol):
 class RunLoop:
     """One `fit` of `trainer` in its claimed, locked `run_dir`: the steps, their log windows (`reporter`, built here
     from the config's `report_to`), the evaluation and save cadence, the stop, the end. `phases` times the run
-    (`dflash.report.phases`); `train_rows` (the corpus's rows) gives the held-out peak's epochs; `conversations`
-    are the held-out prompts of the speculative evaluation."""
+    (`dflash.report.phases`); `train_rows` (the training set's rows, packed sequences with `data.packing`) gives
+    the held-out peak's epochs; `conversations` are the held-out prompts of the speculative evaluation."""
 
     def __init__(self, trainer: Trainee, run_dir: Path, phases: PhaseTimer, *, train_rows: int,
                  conversations: list[dict[str, Any]]) -> None:

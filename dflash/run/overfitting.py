@@ -27,8 +27,9 @@ TOLERANCE = 0.01
 class HeldOutPeak:
     """The best held-out chain τ̂ so far and how many evaluations in a row have stayed below it.
 
-    `rows_per_step`: training rows one optimizer step takes (all ranks); `train_rows`: the corpus's training
-    rows (set once the corpus is known), together the epochs the warning names. `warn`: log it (rank 0).
+    `rows_per_step`: training rows one optimizer step takes (all ranks); `train_rows`: the training set's rows
+    (set once the corpus is known; with `data.packing` both count packed sequences), together the epochs the
+    warning names. `warn`: log it (rank 0).
     """
 
     rows_per_step: int
