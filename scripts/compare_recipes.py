@@ -10,23 +10,24 @@ each run: held-out teacher-forced τ̂ (uniform anchors), the decode-chain τ̂ 
     python scripts/compare_recipes.py --variants regen,dflash,dspark --steps 1000 --warm-steps 100 --equal-time
 
 `--warm-steps` first trains each variant for a few steps (discarded), so its kernels are compiled (a cold
-compile is 30-75 s per kind on an H200) and its steady throughput is known. `--equal-time` then gives each
-variant the steps that take the first variant's `--steps` time: steps x (its input tokens/s / the first's),
-both read from the warm-up's last log window (every variant sees the same batches, so tokens/s is steps/s up
-to one constant; a variant that changes the batch size, the lengths or the data breaks this: time it by steps).
-Each run keeps its own full schedule (warm-up and cosine over its steps), which a time budget cutting a longer
-schedule short would not. `--reference-tokens-per-s` continues a comparison begun in another process (the first
-variant's warm-up figure, printed there).
+compile is 30-75 s per kind on an H200) and its step time is known. `--equal-time` then gives each variant the
+steps that take the first variant's `--steps` time: steps x (the first's ms per step / its own), both read from
+the warm-up's last log window. Step time, not tokens/s: a variant that changes what a step holds (`data.packing`,
+the batch size, the lengths) is timed right too. (Sections of docs/benchmarks.md before the commit that made this
+change scaled by tokens/s, the same ratio for their variants, which all saw the same batches.) Each run keeps its
+own full schedule (warm-up and cosine over its steps), which a time budget cutting a longer schedule short would
+not. `--reference-step-ms` continues a comparison begun in another process (the first variant's warm-up figure,
+printed there).
 
 Variants: regen (the default: the target's regenerated replies; the preset's kind), labels-data (human replies,
 dataset tokens as labels), labels-target (human replies, the target's greedy next token as labels),
 dflash and domino (those draft kinds on the regenerated replies), domino-ss (Domino with scheduled sampling 0.5),
-dflash2 and dspark (those draft kinds), graph (`cuda_graph: true`), fp8 (`fp8: true`), muon and muon-lr3x
-(`optim.optimizer: muon`, at the preset's lr and at 3e-3), fixed-width
+dflash2 and dspark (those draft kinds), packed (`data.packing: true`), graph (`cuda_graph: true`), fp8
+(`fp8: true`), muon and muon-lr3x (`optim.optimizer: muon`, at the preset's lr and at 3e-3), fixed-width
 (`draft.anchor_widths=1`: no host-bounded width). Any other variant can be written out as
 `LABEL:key=value+key=value`, e.g. `block8:draft.block_size=8` or `deep:draft.num_layers=3+optim.lr=3e-4`.
-Each row also gives the training throughput of its
-last log window, the peak accelerator memory and the number of CUDA graphs captured.
+Each row also gives the training throughput and step time of its last log window, the share of real tokens in its
+batches' slots, the peak accelerator memory and the number of CUDA graphs captured.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ VARIANTS: dict[str, list[str]] = {
     "fixed-width": ["draft.anchor_widths=1"],  # every batch at the full anchor width N
     "dflash2": ["draft.kind=dflash2"],  # DFlash 2: block convolutions and the candidate selector
     "dspark": ["draft.kind=dspark"],  # DSpark: the Markov and confidence heads, slot k predicts a + k + 1
+    "packed": ["data.packing=true"],  # rows packed into full sequences (issue 51): more real tokens a step
     "fp8": ["fp8=true"],  # float8 GEMMs in the draft's linear layers (torchao): its quality cost, same steps
     "muon": ["optim.optimizer=muon"],  # Muon for the layers' and fc's matrices at the same (RMS-matched) lr
     "muon-lr3x": ["optim.optimizer=muon", "optim.lr=3e-3"],  # ... at three times the CPU preset's lr
@@ -78,9 +80,9 @@ def main() -> int:
     p.add_argument("--warm-steps", type=int, default=0,
                    help="train each variant this many steps first (discarded) to fill the compile cache")
     p.add_argument("--equal-time", action="store_true",
-                   help="scale each variant's steps by its warm-up throughput against the first variant's")
-    p.add_argument("--reference-tokens-per-s", type=float, default=None,
-                   help="with --equal-time: the throughput that --steps refers to (default: the first variant's)")
+                   help="scale each variant's steps by the first variant's warm-up step time against its own")
+    p.add_argument("--reference-step-ms", type=float, default=None,
+                   help="with --equal-time: the ms per step that --steps refers to (default: the first variant's)")
     p.add_argument("overrides", nargs="*", help="key=value settings applied to every variant")
     args = p.parse_args()
     variants = dict(parse_variant(v) for v in args.variants.split(","))
@@ -94,7 +96,7 @@ def main() -> int:
     base = TrainConfig.from_sources(None, common)
     device = resolve_device(base.device)
     model, tokenizer = load_target(base.target, resolve_dtype(base.dtype, device))
-    rows, reference = [], args.reference_tokens_per_s
+    rows, reference = [], args.reference_step_ms
     for name in names:
         steps = [f"max_steps={args.steps}"]
         if args.warm_steps:
@@ -103,11 +105,12 @@ def main() -> int:
                     "spec_eval_prompts=0", "eval_interval=0", f"output_dir={args.out}/{name}-warm"]
             warm_summary = DFlashTrainer(TrainConfig.from_sources(None, [*common, *variants[name], *warm]),
                                          target=model, tokenizer=tokenizer).fit()
-            rate = warm_summary["train"]["tokens_per_s"]
-            reference = reference or rate
+            step_ms = warm_summary["train"]["step_ms"]
+            reference = reference or step_ms
             if args.equal_time:
-                steps = [f"max_steps={max(1, round(args.steps * rate / reference))}"]
-            print(f"warm-up of {name}: {rate:,.0f} tokens/s (reference {reference:,.0f}) -> {steps[0]}", flush=True)
+                steps = [f"max_steps={max(1, round(args.steps * reference / step_ms))}"]
+            print(f"warm-up of {name}: {step_ms:.2f} ms/step, {warm_summary['train']['tokens_per_s']:,.0f} tokens/s "
+                  f"(reference {reference:.2f} ms/step) -> {steps[0]}", flush=True)
         cfg = TrainConfig.from_sources(None, [*common, *variants[name], *steps, f"output_dir={args.out}/{name}"])
         start = time.perf_counter()
         if torch.cuda.is_available():
@@ -117,7 +120,9 @@ def main() -> int:
         held, spec = summary.get("held_out", {}), summary.get("speculative", {})
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         rows.append({"variant": name, "steps": summary["steps"], "minutes": (time.perf_counter() - start) / 60,
-                     "train_tokens_per_s": summary["train"].get("tokens_per_s"), "peak_gib": peak,
+                     "train_tokens_per_s": summary["train"].get("tokens_per_s"), "step_ms": summary["train"].get("step_ms"),
+                     # real tokens / slots of an epoch's batches: tokens/s counts slots, padding included
+                     "real_fraction": summary.get("padding", {}).get("real_fraction"), "peak_gib": peak,
                      "graphs": len(trainer.graphs) if trainer.graphs is not None else 0,
                      "train_tau": summary["train"].get("tau"), "held_out_tau": held.get("tau"),
                      "held_out_chain_tau": held.get("chain_tau"), "real_tau": spec.get("tau"),
@@ -136,7 +141,8 @@ def main() -> int:
     length = f"the time of {args.steps} steps of {names[0]}" if args.equal_time else f"{args.steps} steps"
     print(f"compare_recipes ({length}, {device}): "
           + "; ".join(f"{r['variant']} real tau {fmt(r['real_tau'])} (chain {fmt(r['held_out_chain_tau'])}, "
-                      f"uniform {fmt(r['held_out_tau'])}), {fmt(r['train_tokens_per_s'])} tok/s, "
+                      f"uniform {fmt(r['held_out_tau'])}), {fmt(r['train_tokens_per_s'])} tok/s "
+                      f"({fmt(r['real_fraction'])} real), {fmt(r['step_ms'])} ms/step, "
                       f"peak {fmt(r['peak_gib'])} GiB, {r['graphs']} graphs" for r in rows))
     return 0
 

@@ -186,8 +186,10 @@ def test_check_sync_free_two_processes():
 
 
 def test_compare_recipes_tiny(tmp_path):
-    """Two variants share one loaded target; each is warmed (a discarded short run that measures its
-    throughput), then trains for the first variant's time, evaluates (uniform and chain τ̂) and decodes."""
+    """Two variants share one loaded target; each is warmed (a discarded short run that measures its step
+    time), then trains for the first variant's time, evaluates (uniform and chain τ̂) and decodes. The second
+    holds a quarter of the rows a step, so equal time goes by step time, not tokens/s (which would give it
+    about a quarter of the steps)."""
     from helpers import check_speculative_report, save_tiny_target
 
     save_tiny_target(tmp_path / "target")
@@ -196,8 +198,8 @@ def test_compare_recipes_tiny(tmp_path):
         {"role": "user", "content": f"What is {i} plus {i}?"},
         {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 3)}]}) + "\n" for i in range(24)))
     out = tmp_path / "compare"
-    stdout = run("scripts/compare_recipes.py", "--variants", "labels-data,dom:draft.kind=domino+draft.num_anchors=6",
-                 "--steps", "2", "--out", str(out),
+    stdout = run("scripts/compare_recipes.py", "--variants", "labels-data,dom:draft.kind=domino+draft.num_anchors=6+batch_size=1",
+                 "--steps", "8", "--out", str(out),
                  "--warm-steps", "4", "--equal-time", f"target={tmp_path / 'target'}", f"data.source={data}", "device=cpu",
                  "draft.mask_token_id=16",
                  "draft.block_size=4", "draft.num_anchors=8", "batch_size=4", "data.max_length=64",
@@ -206,21 +208,22 @@ def test_compare_recipes_tiny(tmp_path):
     rows = json.loads((out / "compare.json").read_text())
     assert [r["variant"] for r in rows] == ["labels-data", "dom"]
     written_out = yaml.safe_load((out / "dom" / "config.yaml").read_text())  # written out as LABEL:key=value+...
-    assert (written_out["draft"]["kind"], written_out["draft"]["num_anchors"]) == ("domino", 6)
+    assert (written_out["draft"]["kind"], written_out["draft"]["num_anchors"], written_out["batch_size"]) == ("domino", 6, 1)
     warm = {r["variant"]: json.loads((out / f"{r['variant']}-warm" / "summary.json").read_text()) for r in rows}
-    reference = warm["labels-data"]["train"]["tokens_per_s"]
+    reference = warm["labels-data"]["train"]["step_ms"]
     for r in rows:  # each row reports its own run's figures, under the right names
         summary = json.loads((out / r["variant"] / "summary.json").read_text())
         held, spec = summary["held_out"], summary["speculative"]
         assert warm[r["variant"]]["steps"] == 4
-        # equal time: the first variant's 2 steps, scaled by each variant's warm-up throughput
-        assert r["steps"] == summary["steps"] == max(1, round(2 * warm[r["variant"]]["train"]["tokens_per_s"] / reference))
+        # equal time: the first variant's 8 steps, scaled by its warm-up step time against each variant's
+        assert r["steps"] == summary["steps"] == max(1, round(8 * reference / warm[r["variant"]]["train"]["step_ms"]))
         assert (r["real_tau"], r["held_out_chain_tau"], r["held_out_tau"]) == (spec["tau"], held["chain_tau"], held["tau"])
+        assert (r["step_ms"], r["real_fraction"]) == (summary["train"]["step_ms"], summary["padding"]["real_fraction"])
         check_speculative_report(spec)  # real τ: the decode's tokens per target forward
         assert spec["teacher_forced_chain_tau"] == pytest.approx(spec["tau"], rel=1e-9)  # the chain on its outputs
         assert 1.0 <= held["chain_tau"] <= 4 and held["chain_forwards"] > 0
         assert 1.0 <= held["tau"] <= 1.0 + sum(held["per_position_accuracy"]) + 1e-9  # accepted <= correct slots
-    assert stdout.strip().splitlines()[-1].startswith("compare_recipes (the time of 2 steps of labels-data, cpu)")
+    assert stdout.strip().splitlines()[-1].startswith("compare_recipes (the time of 8 steps of labels-data, cpu)")
 
 
 def test_bench_width_tiny():
