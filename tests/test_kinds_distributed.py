@@ -142,7 +142,7 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(ranks, monkeypatc
     assert one_trainer.world_size == 1 and not one_trainer.fsdp
     assert isinstance(one_trainer.objective, record.objective) and isinstance(one_trainer.draft, record.model)
     one = head_steps(one_trainer, batch)
-    heads = record.weight_names(one_trainer.draft.config)
+    heads = record.export.weight_names(one_trainer.draft.config)
     assert len(heads) == case.head_weights and heads <= one["grads"][0].keys()
     assert_two_ranks_equal_one(two, one, COMMON_METRICS + case.metrics)
     metrics = one["metrics"]

@@ -109,7 +109,7 @@ def test_export_carries_every_field_the_engines_read(exports, kind):
     assert config["block_size"] == 16 and config["hidden_act"] == "silu" and config["attention_bias"] is False
     assert not any(_has(config, path) for path in SILENT_DEFAULTS)  # engines' defaults = the trained draft
     if kind == DOMINO:  # the table covers every Domino key the export writes
-        domino_keys = {f.path.split(".")[-1] for f in DOMINO.serving_fields}
+        domino_keys = {f.path.split(".")[-1] for f in DOMINO.serving.fields}
         assert domino_keys == set(DominoHeadConfig(1, 1, 1, True).to_extra())
 
 
@@ -376,7 +376,7 @@ def test_domino_gets_no_vllm_command_and_a_bf16_sglang_one(exports):
     assert any(n.startswith(f"note: {DOMINO_POOL_FLAG}: ") and "4.331 to 4.032" in n and "top-2048" in n for n in notes)
     assert not any(line.startswith("warning") for line in lines)
     # and the table claims no vLLM reader for a Domino key
-    assert not any(VLLM in f.read_by for f in DOMINO.serving_fields)
+    assert not any(VLLM in f.read_by for f in DOMINO.serving.fields)
 
 
 # What each engine's count means for the kind: DFlash 2 queries one trained block like DFlash (the bonus token, then

@@ -22,7 +22,7 @@ The figures, named as the report names them:
 vLLM decodes the prompts as one batch (continuous batching), dflash one at a time: tokens/s are each engine's own.
 
 Refused before any model loads, with one line saying why (`vllm_refusal`, from the kind's record): Domino (vLLM has
-no Domino head, `DraftKind.vllm_unservable`), and DFlash 2 / DSpark on a CPU (`DraftKind.vllm_cpu_refusal`: vLLM 0.32's
+no Domino head, `Serving.vllm_unservable`), and DFlash 2 / DSpark on a CPU (`Serving.vllm_cpu_refusal`: vLLM 0.32's
 V1 model runner, the CPU one, refuses "dspark speculative decoding" and "DFlash candidate-head drafts"; its V2 runner,
 which serves them, needs Triton on a GPU).
 """
@@ -66,19 +66,19 @@ _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 def vllm_refusal(kind: DraftKind, device: torch.device) -> str | None:
     """Why vLLM cannot serve a draft of `kind` on `device`, None when it can: anywhere, the kind's own reason
-    (`DraftKind.vllm_unservable`); on a CPU, what vLLM's V1 runner says refusing it (`DraftKind.vllm_cpu_refusal`)."""
-    if kind.vllm_unservable is not None:
-        return (f"vLLM cannot serve a {kind.title} draft ({kind.vllm_unservable}); serve it with SGLang (`dflash export` "
+    (`Serving.vllm_unservable`); on a CPU, what vLLM's V1 runner says refusing it (`Serving.vllm_cpu_refusal`)."""
+    if kind.serving.vllm_unservable is not None:
+        return (f"vLLM cannot serve a {kind.title} draft ({kind.serving.vllm_unservable}); serve it with SGLang (`dflash export` "
                 "prints the line)")
-    if device.type == "cpu" and kind.vllm_cpu_refusal is not None:
-        return _GPU_ONLY.format(name=kind.title, refusal=kind.vllm_cpu_refusal)
+    if device.type == "cpu" and kind.serving.vllm_cpu_refusal is not None:
+        return _GPU_ONLY.format(name=kind.title, refusal=kind.serving.vllm_cpu_refusal)
     return None
 
 
 def speculative_config(export_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
     """vLLM's `speculative_config` for the export (the line `dflash export` prints): method and proposal count."""
     kind = kind_of_export(config)
-    return {"method": kind.vllm_method, "model": str(export_dir),
+    return {"method": kind.serving.vllm_method, "model": str(export_dir),
             "num_speculative_tokens": num_speculative_tokens(config["block_size"], kind)}
 
 

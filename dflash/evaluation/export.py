@@ -114,9 +114,9 @@ def expected_weight_names(num_layers: int) -> set[str]:
 
 
 def draft_weight_names(cfg: DFlashDraftConfig) -> set[str]:
-    """The tensor names of the draft `cfg` describes: the backbone's and what its kind adds (`DraftKind.weight_names`:
+    """The tensor names of the draft `cfg` describes: the backbone's and what its kind adds (`ExportLayout.weight_names`:
     the Domino head, DFlash 2's convs and selector, the DSpark heads), without a kind's optional target copies."""
-    return expected_weight_names(cfg.num_hidden_layers) | kind_of(cfg).weight_names(cfg)
+    return expected_weight_names(cfg.num_hidden_layers) | kind_of(cfg).export.weight_names(cfg)
 
 
 def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *, target: str | None = None,
@@ -132,8 +132,8 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
         raise ValueError(f"draft.config.extra must not redefine {sorted(clash)} (they come from the config fields)")
     kind = kind_of(cfg)
     return {
-        "architectures": [kind.architecture],
-        **kind.export_fields(cfg),  # DFlash 2's is_causal, DeepSpec's top-level DSpark keys
+        "architectures": [kind.export.architecture],
+        **kind.export.config_fields(cfg),  # DFlash 2's is_causal, DeepSpec's top-level DSpark keys
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": n,
@@ -166,9 +166,9 @@ def export_config(cfg: DFlashDraftConfig, dtype: torch.dtype = torch.bfloat16, *
             "target_layer_ids": list(cfg.target_layer_ids),
             # a kind's top-level keys sit there (DSpark's: DeepSpec, SGLang, vLLM); what else a read-back export kept
             # stays, and `mask_token` (the factory's: the tokenizer's text of mask_token_id) is SGLang's dflash_config.mask_token
-            **{k: v for k, v in cfg.extra.items() if k not in kind.top_level_keys},
+            **{k: v for k, v in cfg.extra.items() if k not in kind.export.top_level_keys},
             # the kinds whose readers take the block size from dflash_config first (DFlash 2, DSpark)
-            **({"block_size": cfg.block_size} if kind.nested_block_size else {}),
+            **({"block_size": cfg.block_size} if kind.export.nested_block_size else {}),
             **({"target": target} if target else {}),
             **({"held_out_split": held_out} if held_out else {}),
         },
@@ -180,12 +180,12 @@ def export_draft(draft: DFlashDraftModel, out_dir: str | Path, *, dtype: torch.d
                  target_model: nn.Module | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (weights cast to `dtype`, bf16 by default); `target`:
     the target the draft was trained for, `held_out`: its run's held-out split (`export_config`);
-    `target_model` (an HF causal LM or a `FrozenTarget`; a kind with `DraftKind.target_copies` only, DSpark):
+    `target_model` (an HF causal LM or a `FrozenTarget`; a kind with `ExportLayout.target_copies` only, DSpark):
     also write DeepSpec's copies of its embedding and LM head."""
     weights = draft.state_dict()
     if target_model is not None:
         kind = kind_of(draft.config)
-        copies = kind.target_copies
+        copies = kind.export.target_copies
         if not copies:
             raise ValueError(f"target_model is for DSpark exports (DeepSpec's layout copies the target's embedding and "
                              f"LM head); a {kind.title} export holds the draft's own weights only")
@@ -203,7 +203,7 @@ def export_state(cfg: DFlashDraftConfig, weights: dict[str, torch.Tensor], out_d
         raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
     state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in weights.items()}
     expected = draft_weight_names(cfg)
-    copies = set(kind_of(cfg).target_copies)
+    copies = set(kind_of(cfg).export.target_copies)
     if copies <= set(state):  # the kind's optional copies of the target's tensors (DeepSpec's DSpark layout)
         expected |= copies
     missing = sorted(expected - set(state))
@@ -278,7 +278,7 @@ def _export_checkpoint(path: Path, out_dir: Path) -> tuple[Path, Path]:
     # a checkpoint from before the factory recorded its kind's `draft` keys (DSpark's num_anchors) takes them from
     # its run's config.yaml
     extra = draft.config.extra
-    extra.update({k: trained[k] for k in kind_of(draft.config).run_keys if k not in extra and k in trained})
+    extra.update({k: trained[k] for k in kind_of(draft.config).export.run_keys if k not in extra and k in trained})
     return folder, export_draft(draft, out_dir, target=run.get("target"), held_out=held_out)
 
 
@@ -289,7 +289,7 @@ def draft_config_from_json(data: dict[str, Any]) -> DFlashDraftConfig:
     another activation) instead of loading it into a model that would compute something else.
     """
     dflash = dict(data.get("dflash_config") or {})
-    top = kind_of_export(data).extra_from_export(data)  # a kind's keys at the top level (DSpark's); {} for the others
+    top = kind_of_export(data).export.extra_from_config(data)  # a kind's keys at the top level (DSpark's); {} for the others
     if top:  # DeepSpec's shape has no dflash_config: its mask token and layer ids sit at the top level too
         dflash = {**{k: data[k] for k in _DFLASH_CORE_KEYS if k in data}, **dflash}
     missing = [k for k in _DFLASH_CORE_KEYS if k not in dflash] + [
@@ -367,7 +367,7 @@ def load_exported(path: str | Path, device: str | torch.device | None = None, dt
         with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
             names = set(f.keys())
             # an export may hold copies of the target's embedding and LM head (DeepSpec's DSpark layout): not the draft's
-            names -= set(kind_of(cfg).target_copies)
+            names -= set(kind_of(cfg).export.target_copies)
             missing, unexpected = sorted(set(wanted) - names), sorted(names - set(wanted))
             if not (missing or unexpected):
                 state = {name: f.get_tensor(name) for name in names}

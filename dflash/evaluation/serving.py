@@ -11,11 +11,11 @@ the config), SGLang the block size (`--speculative-num-draft-tokens`, else the c
 
 What differs by draft kind is the kind's record (`dflash.kinds.record.DraftKind`, its "export and serving" group),
 found from the export's config.json (`kind_of_export`); the engine facts behind each are cited in the kind's module:
-its architecture, method, counts (`DraftKind.proposals_per_block`), extra flags, fields (`DraftKind.serving_fields`),
+its architecture, method, counts (`DraftKind.proposals_per_block`), extra flags, fields (`Serving.fields`),
 tensors built from them (`built_shapes`), notes, and the sources checked (`engines_of`). Domino
 (`dflash_config.projector_type: domino`) has no vLLM command (`dflash.kinds.domino.VLLM_DOMINO`) and its SGLang
 command sets `domino.DOMINO_POOL_FLAG`; head tensors under a config without `projector_type: domino` are reported
-(`DraftKind.stray_weights`). DFlash 2 (`DFlash2DraftModel`) rides both engines' DFlash path with the DFlash counts;
+(`Serving.stray_weights`). DFlash 2 (`DFlash2DraftModel`) rides both engines' DFlash path with the DFlash counts;
 DSpark (`Qwen3DSparkModel`) has its own method and every slot proposes (vLLM num_speculative_tokens = block_size,
 SGLang verifies block_size + 1).
 """
@@ -39,7 +39,7 @@ from dflash.kinds.registry import KINDS, kind_of_export
 # @002e77c1, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @0cfdd2e1 (method dflash: in 0.18.2 already); SGLang
 # srt/models/dflash.py @7f151c5e, speculative/dflash_utils.py @00731f0b, speculative/dflash_worker.py
 # @0468412f, arg_groups/speculative_hook.py @004c82e0, speculative/domino_utils.py @04d4c1ae. A kind whose engines
-# read other sources names them (`DraftKind.vllm_source` / `sglang_source`, `engines_of`).
+# read other sources names them (`Serving.vllm_source` / `sglang_source`, `engines_of`).
 ENGINES: dict[str, tuple[str, str]] = {
     VLLM: ("vLLM", "vllm-project/vllm main @036a00d1, the v0.29.0 DFlash loader"),
     SGLANG: ("SGLang", "sgl-project/sglang main @7f151c5e; Domino: domino_utils.py @04d4c1ae"),
@@ -100,7 +100,7 @@ SERVING_FIELDS: tuple[ServingField, ...] = (
                  "non-empty, ascending (engines concatenate captures in layer order), < num_target_layers",
                  lambda v, c: bool(v) and v == sorted(set(v)) and 0 <= v[0] and v[-1] < c["num_target_layers"]),
 )
-# Written by the kinds whose readers take the block size from dflash_config first (`DraftKind.nested_block_size`).
+# Written by the kinds whose readers take the block size from dflash_config first (`ExportLayout.nested_block_size`).
 NESTED_BLOCK_SIZE = ServingField("dflash_config.block_size", int, "read before block_size: DFlash 2's conv block "
                                  "(SGLang, until --speculative-num-draft-tokens overrides it), DSpark's gamma (the "
                                  "proposals of one block)", ">= 2", lambda v, c: v >= 2, read_by=(SGLANG,))
@@ -108,10 +108,10 @@ NESTED_BLOCK_SIZE = ServingField("dflash_config.block_size", int, "read before b
 
 def serving_fields(kind: DraftKind) -> tuple[ServingField, ...]:
     """The config.json fields the engines read from an export of `kind`: its architecture, every export's
-    (`SERVING_FIELDS`), `dflash_config.block_size` where it writes one, then its own (`DraftKind.serving_fields`)."""
-    architecture = ServingField("architectures", list, kind.architecture_meaning, f"to name {kind.architecture}",
-                                lambda v, c: kind.architecture in v)
-    return (architecture, *SERVING_FIELDS, *((NESTED_BLOCK_SIZE,) if kind.nested_block_size else ()), *kind.serving_fields)
+    (`SERVING_FIELDS`), `dflash_config.block_size` where it writes one, then its own (`Serving.fields`)."""
+    architecture = ServingField("architectures", list, kind.serving.architecture_meaning, f"to name {kind.export.architecture}",
+                                lambda v, c: kind.export.architecture in v)
+    return (architecture, *SERVING_FIELDS, *((NESTED_BLOCK_SIZE,) if kind.export.nested_block_size else ()), *kind.serving.fields)
 
 
 # Keys the export leaves out because the engines' defaults are its meaning; set otherwise, they silently
@@ -143,8 +143,8 @@ def _read(export_dir: str | Path) -> tuple[Path, dict[str, Any]]:
 def engines_of(kind: DraftKind) -> dict[str, tuple[str, str]]:
     """Engine -> (name, the source checked) for an export of `kind`: `ENGINES`, with the kind's own sources where it
     names them."""
-    return {VLLM: (ENGINES[VLLM][0], kind.vllm_source or ENGINES[VLLM][1]),
-            SGLANG: (ENGINES[SGLANG][0], kind.sglang_source or ENGINES[SGLANG][1])}
+    return {VLLM: (ENGINES[VLLM][0], kind.serving.vllm_source or ENGINES[VLLM][1]),
+            SGLANG: (ENGINES[SGLANG][0], kind.serving.sglang_source or ENGINES[SGLANG][1])}
 
 
 def check_serving_fields(export_dir: str | Path) -> list[str]:
@@ -174,7 +174,7 @@ def check_serving_fields(export_dir: str | Path) -> list[str]:
     with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     for other in KINDS:  # another kind's head under this config: the engines pick a head by the config alone
-        if other is not kind and (stray := other.stray_weights(config, set(shapes))) is not None:
+        if other is not kind and (stray := other.serving.stray_weights(config, set(shapes))) is not None:
             problems.append(f"{WEIGHTS_NAME} holds {stray}")
     for name, (want, why) in (_built_shapes(config, kind) if fields_ok else {}).items():
         got = shapes.get(name)
@@ -190,10 +190,10 @@ def check_serving_fields(export_dir: str | Path) -> list[str]:
 
 def _built_shapes(config: dict[str, Any], kind: DraftKind) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor -> (the shape the engines build it with from config.json, from what): fc, and the kind's tensors
-    that the engines load without checking that the file has them (`DraftKind.built_shapes`)."""
+    that the engines load without checking that the file has them (`Serving.built_shapes`)."""
     try:
         h = config["hidden_size"]
-        return {"fc.weight": ((h, len(_tli(config)) * h), "len(target_layer_ids) x hidden"), **kind.built_shapes(config)}
+        return {"fc.weight": ((h, len(_tli(config)) * h), "len(target_layer_ids) x hidden"), **kind.serving.built_shapes(config)}
     except (KeyError, TypeError):  # a field the fields do not cover is broken: nothing to compare with
         return {}
 
@@ -237,7 +237,7 @@ def _target(config: dict[str, Any]) -> tuple[str, str | None]:
 
 def serving_commands(export_dir: str | Path) -> dict[str, str]:
     """Engine -> a one-line launch command serving the export with its target; an engine that cannot serve
-    the export faithfully (vLLM for a Domino draft: `DraftKind.vllm_unservable`) has no entry. The target is
+    the export faithfully (vLLM for a Domino draft: `Serving.vllm_unservable`) has no entry. The target is
     `dflash_config.target`."""
     folder, config = _read(export_dir)
     kind = kind_of_export(config)
@@ -246,13 +246,13 @@ def serving_commands(export_dir: str | Path) -> dict[str, str]:
     if not isinstance(block, int) or isinstance(block, bool):
         raise ValueError(f"{folder / CONFIG_NAME} has no integer block_size ({block!r}): the commands need it")
     # method given explicitly: vLLM guesses "dflash" only from a model path containing "dflash"
-    spec = json.dumps({"method": kind.vllm_method, "model": str(folder),
+    spec = json.dumps({"method": kind.serving.vllm_method, "model": str(folder),
                        "num_speculative_tokens": num_speculative_tokens(block, kind)})
     vllm = f"vllm serve {target} --speculative-config {shlex.quote(spec)}"
-    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {kind.sglang_algorithm} "
+    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {kind.serving.sglang_algorithm} "
               f"--speculative-draft-model-path {shlex.quote(str(folder))} --speculative-num-draft-tokens "
-              f"{num_draft_tokens(block, kind)}" + "".join(f" {flag}" for flag in kind.sglang_flags))
-    return {**({VLLM: vllm} if kind.vllm_unservable is None else {}), SGLANG: sglang}
+              f"{num_draft_tokens(block, kind)}" + "".join(f" {flag}" for flag in kind.serving.sglang_flags))
+    return {**({VLLM: vllm} if kind.serving.vllm_unservable is None else {}), SGLANG: sglang}
 
 
 def format_serving(export_dir: str | Path) -> str:
@@ -262,10 +262,10 @@ def format_serving(export_dir: str | Path) -> str:
     kind = kind_of_export(config)
     commands = serving_commands(export_dir)
     lines = ["Serve it (block_size {}{}):".format(config.get("block_size"),
-                                                 f"; a {kind.title} draft" if kind.titled_in_serving else "")]
+                                                 f"; a {kind.title} draft" if kind.serving.titled else "")]
     for engine, (name, checked) in engines_of(kind).items():
         lines.append(f"# {name} (checked against {checked})")
-        lines.append(commands.get(engine) or f"# not servable with {name}: {kind.vllm_unservable}")
-    lines += [f"note: {n}" for n in [_target(config)[1], *kind.serving_notes(config)] if n]
+        lines.append(commands.get(engine) or f"# not servable with {name}: {kind.serving.vllm_unservable}")
+    lines += [f"note: {n}" for n in [_target(config)[1], *kind.serving.notes(config)] if n]
     lines += [f"warning: {p}" for p in check_serving_fields(export_dir)]
     return "\n".join(lines)

@@ -55,7 +55,7 @@ class ServingField:
     """One config.json field an engine's loader reads: `path` (dotted), its JSON type, the meaning the engines give
     it, the value rule (`ok(value, config)`, described by `expect`), which engines read it (`read_by`), and whether an
     export may leave it out (`optional`: checked only when present). Every export's are
-    `dflash.evaluation.serving.SERVING_FIELDS`; a kind declares its own (`DraftKind.serving_fields`)."""
+    `dflash.evaluation.serving.SERVING_FIELDS`; a kind declares its own (`Serving.fields`)."""
 
     path: str
     kind: type | tuple[type, ...]
@@ -64,6 +64,71 @@ class ServingField:
     ok: Callable[[Any, dict[str, Any]], bool] | None = lambda v, c: v > 0
     read_by: tuple[str, ...] = (VLLM, SGLANG)
     optional: bool = False
+
+
+@dataclass(frozen=True)
+class ExportLayout:
+    """How a kind's drafts are laid out in the published format (config.json and model.safetensors): what
+    `dflash.evaluation.export` writes and reads back. `config` is an export's config.json as a dict, `cfg` a
+    `DFlashDraftConfig`."""
+
+    # Its config.json `architectures` entry.
+    architecture: str = "DFlashDraftModel"
+    # Whether an export's config.json is of this kind: its architecture, or its head keys under another one (so a
+    # wrong architecture is reported against the kind the keys say). Asked like `DraftKind.recognises`
+    # (`registry.kind_of_export`).
+    recognises: Callable[[dict[str, Any]], bool] = lambda config: True
+    # The tensor names its drafts add to the DFlash backbone's (`export.draft_weight_names`).
+    weight_names: Callable[[DFlashDraftConfig], set[str]] = lambda cfg: set()
+    # Copies of the target's embedding and LM head (in that order) an export may hold beside the draft's weights
+    # (DSpark: DeepSpec's layout); (): none, an export holds the draft's own weights only.
+    target_copies: tuple[str, ...] = ()
+    # Top-level config.json keys it writes beside the Qwen3 and DFlash ones.
+    config_fields: Callable[[DFlashDraftConfig], dict[str, Any]] = lambda cfg: {}
+    # Its `extra` keys that are written at the top level (by `config_fields`) and not under `dflash_config`.
+    top_level_keys: tuple[str, ...] = ()
+    # Whether `dflash_config.block_size` is written too (its readers take the block size from there first).
+    nested_block_size: bool = False
+    # Its `extra` keys read back from an export's top level ({} when there are none; a ValueError for a layout its
+    # model cannot run).
+    extra_from_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda config: {}
+    # `draft` settings its `DraftKind.draft_keys` record, which a checkpoint from before they were recorded takes
+    # from its run's config.yaml on export.
+    run_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the engines make of a kind's export: the commands, the checks and the notes of
+    `dflash.evaluation.serving` and `engine_eval` (`config`: an export's config.json as a dict). The engine facts
+    are cited in the kind's module."""
+
+    # What the engines make of its `ExportLayout.architecture` (the serving check's meaning of the field).
+    architecture_meaning: str = ("model class: vLLM's registry maps DFlashDraftModel to qwen3_dflash.DFlashQwen3ForCausalLM; "
+                                 "SGLang's EntryClass of models/dflash.py")
+    # vLLM's speculative `method`, SGLang's `--speculative-algorithm` and the extra SGLang flags its drafts need.
+    vllm_method: str = "dflash"
+    sglang_algorithm: str = "DFLASH"
+    sglang_flags: tuple[str, ...] = ()
+    # Why vLLM cannot serve it at all (no vLLM command; None: it can), and what vLLM's V1 model runner (the CPU one)
+    # says refusing it (None: vLLM serves it on a CPU too).
+    vllm_unservable: str | None = None
+    vllm_cpu_refusal: str | None = None
+    # The engine source its serving facts were checked against, where not the DFlash one (`serving.ENGINES`).
+    vllm_source: str | None = None
+    sglang_source: str | None = None
+    # The config.json fields the engines read for it beyond every export's (`serving.serving_fields`).
+    fields: tuple[ServingField, ...] = ()
+    # Tensor -> (the shape the engines build it with from config.json, from what), for its tensors they load without
+    # checking that the file has them (a KeyError / TypeError for a broken field).
+    built_shapes: Callable[[dict[str, Any]], dict[str, tuple[tuple[int, ...], str]]] = lambda config: {}
+    # What an export's tensor names hold of its head when config.json does not say it (an export of another kind):
+    # the problem, worded after "model.safetensors holds"; None: nothing.
+    stray_weights: Callable[[dict[str, Any], set[str]], str | None] = lambda config, names: None
+    # The notes `dflash export` prints under its serving commands.
+    notes: Callable[[dict[str, Any]], list[str]] = lambda config: []
+    # Whether `dflash export`'s "Serve it" line names the kind ("; a DSpark draft").
+    titled: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,57 +160,8 @@ class DraftKind:
     # The position decay `dflash train --dry-run` describes, when the kind decays its own way (None: the
     # draft section's gamma).
     describe_decay: Callable[[Any], str] | None = None
-
-    # ---- export and serving ----
-    # (`config`: an export's config.json as a dict; `cfg`: a `DFlashDraftConfig`. Read by dflash.evaluation's export,
-    # serving and engine_eval; the engine facts are cited in the kind's module.)
-    # Its config.json `architectures` entry, and what the engines make of it (the serving check's meaning of the field).
-    architecture: str = "DFlashDraftModel"
-    architecture_meaning: str = ("model class: vLLM's registry maps DFlashDraftModel to qwen3_dflash.DFlashQwen3ForCausalLM; "
-                                 "SGLang's EntryClass of models/dflash.py")
-    # Whether an export's config.json is of this kind: its architecture, or its head keys under another one (so a
-    # wrong architecture is reported against the kind the keys say). Asked like `recognises` (`registry.kind_of_export`).
-    recognises_export: Callable[[dict[str, Any]], bool] = lambda config: True
-    # The tensor names its drafts add to the DFlash backbone's (`export.draft_weight_names`).
-    weight_names: Callable[[DFlashDraftConfig], set[str]] = lambda cfg: set()
-    # Copies of the target's embedding and LM head (in that order) an export may hold beside the draft's weights
-    # (DSpark: DeepSpec's layout); (): none, an export holds the draft's own weights only.
-    target_copies: tuple[str, ...] = ()
-    # Top-level config.json keys it writes beside the Qwen3 and DFlash ones.
-    export_fields: Callable[[DFlashDraftConfig], dict[str, Any]] = lambda cfg: {}
-    # Its `extra` keys that are written at the top level (by `export_fields`) and not under `dflash_config`.
-    top_level_keys: tuple[str, ...] = ()
-    # Whether `dflash_config.block_size` is written too (its readers take the block size from there first).
-    nested_block_size: bool = False
-    # Its `extra` keys read back from an export's top level ({} when there are none; a ValueError for a layout its
-    # model cannot run).
-    extra_from_export: Callable[[dict[str, Any]], dict[str, Any]] = lambda config: {}
-    # `draft` settings its `draft_keys` record, which a checkpoint from before they were recorded takes from its run's
-    # config.yaml on export.
-    run_keys: tuple[str, ...] = ()
-    # vLLM's speculative `method`, SGLang's `--speculative-algorithm` and the extra SGLang flags its drafts need.
-    vllm_method: str = "dflash"
-    sglang_algorithm: str = "DFLASH"
-    sglang_flags: tuple[str, ...] = ()
-    # Why vLLM cannot serve it at all (no vLLM command; None: it can), and what vLLM's V1 model runner (the CPU one)
-    # says refusing it (None: vLLM serves it on a CPU too).
-    vllm_unservable: str | None = None
-    vllm_cpu_refusal: str | None = None
-    # The engine source its serving facts were checked against, where not the DFlash one (`serving.ENGINES`).
-    vllm_source: str | None = None
-    sglang_source: str | None = None
-    # The config.json fields the engines read for it beyond every export's (`serving.serving_fields`).
-    serving_fields: tuple[ServingField, ...] = ()
-    # Tensor -> (the shape the engines build it with from config.json, from what), for its tensors they load without
-    # checking that the file has them (a KeyError / TypeError for a broken field).
-    built_shapes: Callable[[dict[str, Any]], dict[str, tuple[tuple[int, ...], str]]] = lambda config: {}
-    # What an export's tensor names hold of its head when config.json does not say it (an export of another kind):
-    # the problem, worded after "model.safetensors holds"; None: nothing.
-    stray_weights: Callable[[dict[str, Any], set[str]], str | None] = lambda config, names: None
-    # The notes `dflash export` prints under its serving commands.
-    serving_notes: Callable[[dict[str, Any]], list[str]] = lambda config: []
-    # Whether `dflash export`'s "Serve it" line names the kind ("; a DSpark draft").
-    titled_in_serving: bool = False
+    export: ExportLayout = field(default_factory=ExportLayout)  # its published format
+    serving: Serving = field(default_factory=Serving)  # what the engines make of it
 
     @property
     def section(self) -> str | None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash.kinds import dflash2, domino, dspark  # their export and serving facts (the records' last group)
+from dflash.kinds import dflash2, domino, dspark  # their export and serving facts (`ExportLayout`, `Serving`)
 from dflash.kinds.dflash2 import DFlash2DraftModel, DFlash2HeadConfig, DFlash2Settings, is_dflash2
 from dflash.kinds.dflash2_objective import DFlash2Objective
 from dflash.kinds.domino import DominoDraftModel, DominoHeadConfig, DominoObjective, DominoSettings, is_domino
 from dflash.kinds.dspark import DSparkDraftModel, DSparkHeadConfig, DSparkSettings, is_dspark
 from dflash.kinds.dspark_objective import DSparkObjective
-from dflash.kinds.record import Check, DraftKind, Unsupported
+from dflash.kinds.record import Check, DraftKind, ExportLayout, Serving, Unsupported
 from dflash.modeling import DFlashDraftConfig, DFlashDraftModel
 from dflash.objective import DFlashObjective
 
@@ -58,11 +58,11 @@ DOMINO = DraftKind(
     checks=_domino_checks,
     unsupported=Unsupported(dpace="it is for DFlash drafts (a Domino draft's mixed loss takes decay or none); add "
                                   "draft.kind=dflash (the embedded default trains a Domino draft on a GPU)"),
-    # export and serving: DFlash's architecture and counts; SGLang only, with the head
-    recognises_export=domino.is_domino_export, weight_names=lambda cfg: set(domino.DOMINO_WEIGHT_NAMES),
-    sglang_flags=domino.SGLANG_FLAGS, vllm_unservable=domino.VLLM_DOMINO, vllm_source=domino.VLLM_SOURCE,
-    serving_fields=domino.SERVING_FIELDS, stray_weights=domino.domino_stray_head,
-    serving_notes=lambda config: list(domino.SERVING_NOTES),
+    # DFlash's architecture and counts; SGLang only, with the head
+    export=ExportLayout(recognises=domino.is_domino_export, weight_names=lambda cfg: set(domino.DOMINO_WEIGHT_NAMES)),
+    serving=Serving(sglang_flags=domino.SGLANG_FLAGS, vllm_unservable=domino.VLLM_DOMINO, vllm_source=domino.VLLM_SOURCE,
+                    fields=domino.SERVING_FIELDS, stray_weights=domino.domino_stray_head,
+                    notes=lambda config: list(domino.SERVING_NOTES)),
 )
 
 DFLASH2 = DraftKind(
@@ -78,13 +78,15 @@ DFLASH2 = DraftKind(
                    "(untested there): train it with `dflash train draft.kind=dflash2`, or set draft.kind=dflash or "
                    "domino here (the embedded default trains a DFlash 2 draft on a CPU)"),
     published_block_size=8,  # z-lab's and SpecForge's Qwen DFlash 2 drafts
-    # export and serving: its own architecture on the engines' DFlash path, with the DFlash counts
-    architecture=dflash2.ARCHITECTURE, architecture_meaning=dflash2.ARCHITECTURE_MEANING,
-    recognises_export=dflash2.is_dflash2_export, weight_names=lambda cfg: dflash2.dflash2_weight_names(cfg.num_hidden_layers),
-    export_fields=dflash2.dflash2_export_fields, nested_block_size=True,  # its readers take its conv block from there
-    vllm_cpu_refusal=dflash2.VLLM_CPU_REFUSAL, vllm_source=dflash2.VLLM_SOURCE, sglang_source=dflash2.SGLANG_SOURCE,
-    serving_fields=dflash2.SERVING_FIELDS, built_shapes=dflash2.dflash2_built_shapes,
-    serving_notes=lambda config: list(dflash2.SERVING_NOTES), titled_in_serving=True,
+    # its own architecture on the engines' DFlash path, with the DFlash counts
+    export=ExportLayout(architecture=dflash2.ARCHITECTURE, recognises=dflash2.is_dflash2_export,
+                        weight_names=lambda cfg: dflash2.dflash2_weight_names(cfg.num_hidden_layers),
+                        config_fields=dflash2.dflash2_export_fields,
+                        nested_block_size=True),  # its readers take its conv block from there
+    serving=Serving(architecture_meaning=dflash2.ARCHITECTURE_MEANING, vllm_cpu_refusal=dflash2.VLLM_CPU_REFUSAL,
+                    vllm_source=dflash2.VLLM_SOURCE, sglang_source=dflash2.SGLANG_SOURCE, fields=dflash2.SERVING_FIELDS,
+                    built_shapes=dflash2.dflash2_built_shapes, notes=lambda config: list(dflash2.SERVING_NOTES),
+                    titled=True),
 )
 
 DSPARK = DraftKind(
@@ -106,16 +108,17 @@ DSPARK = DraftKind(
                    "domino here"),
     published_block_size=7,  # DeepSpec's DSpark drafts
     describe_decay=lambda d: f"decay exp(-k / {d.loss_decay_gamma}), slot 0 included",
-    # export and serving: DeepSpec's Qwen3DSparkModel shape (head keys at the top level), its own engine method
-    architecture=dspark.ARCHITECTURE, architecture_meaning=dspark.ARCHITECTURE_MEANING,
-    recognises_export=dspark.is_dspark_export,
-    weight_names=lambda cfg: dspark.dspark_weight_names(DSparkHeadConfig.from_draft_config(cfg)),
-    target_copies=dspark.TARGET_COPY_NAMES, export_fields=dspark.dspark_config_fields,
-    top_level_keys=dspark.TOP_LEVEL_KEYS, nested_block_size=True,  # SGLang's DFlash parser reads dflash_config first
-    extra_from_export=dspark.dspark_extra_from_json, run_keys=dspark.TRAINING_KEYS,
-    vllm_method="dspark", sglang_algorithm="DSPARK", vllm_cpu_refusal=dspark.VLLM_CPU_REFUSAL,
-    vllm_source=dspark.VLLM_SOURCE, sglang_source=dspark.SGLANG_SOURCE, serving_fields=dspark.SERVING_FIELDS,
-    built_shapes=dspark.dspark_built_shapes, serving_notes=dspark.dspark_serving_notes, titled_in_serving=True,
+    # DeepSpec's Qwen3DSparkModel shape (head keys at the top level), its own engine method
+    export=ExportLayout(architecture=dspark.ARCHITECTURE, recognises=dspark.is_dspark_export,
+                        weight_names=lambda cfg: dspark.dspark_weight_names(DSparkHeadConfig.from_draft_config(cfg)),
+                        target_copies=dspark.TARGET_COPY_NAMES, config_fields=dspark.dspark_config_fields,
+                        top_level_keys=dspark.TOP_LEVEL_KEYS,
+                        nested_block_size=True,  # SGLang's DFlash parser reads dflash_config first
+                        extra_from_config=dspark.dspark_extra_from_json, run_keys=dspark.TRAINING_KEYS),
+    serving=Serving(architecture_meaning=dspark.ARCHITECTURE_MEANING, vllm_method="dspark", sglang_algorithm="DSPARK",
+                    vllm_cpu_refusal=dspark.VLLM_CPU_REFUSAL, vllm_source=dspark.VLLM_SOURCE,
+                    sglang_source=dspark.SGLANG_SOURCE, fields=dspark.SERVING_FIELDS,
+                    built_shapes=dspark.dspark_built_shapes, notes=dspark.dspark_serving_notes, titled=True),
 )
 
 KINDS: tuple[DraftKind, ...] = (DFLASH, DOMINO, DFLASH2, DSPARK)
@@ -138,8 +141,8 @@ def kind_of(cfg: DFlashDraftConfig) -> DraftKind:
 
 def kind_of_export(config: dict[str, Any]) -> DraftKind:
     """The kind of an export's config.json (a dict): the first record past plain DFlash that recognises it
-    (`DraftKind.recognises_export`: by its architecture, or its head keys under another one), else DFlash."""
-    return next((kind for kind in KINDS[1:] if kind.recognises_export(config)), DFLASH)
+    (`ExportLayout.recognises`: by its architecture, or its head keys under another one), else DFlash."""
+    return next((kind for kind in KINDS[1:] if kind.export.recognises(config)), DFLASH)
 
 
 def draft_model_for_config(cfg: DFlashDraftConfig) -> DFlashDraftModel:
