@@ -8,9 +8,9 @@ DFlash 2 draft with blocks of 4 trained with Muon at lr 3e-3, 150 steps (a 7-min
 export and a real speculative evaluation on 20 held-out prompts. DFlash 2 beat DFlash in that same budget on
 two seeds (real τ 2.054 / 2.104 against 1.853 / 1.927, docs/benchmarks.md, 2026-12-04); Domino, whose step
 costs 2.4 DFlash steps there, lost at equal time. GPU: the same recipe at full size (every user message
-of every chitchat conversation regenerated as a single-turn prompt, larger batches, bf16 + flex attention,
-5000 steps in a 10-minute training budget) with a compiled Domino draft, whose real τ beat DFlash's at the
-same steps (docs/benchmarks.md, 2026-12-03).
+of every chitchat conversation regenerated as a single-turn prompt, packed into full sequences, larger batches,
+bf16 + flex attention, 4000 steps in a 10-minute training budget) with a compiled Domino draft, whose real τ beat
+DFlash's at the same steps (docs/benchmarks.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -61,26 +61,31 @@ EMBEDDED_GPU: dict[str, Any] = {
     "draft.num_anchors": 64,
     "batch_size": 32,
     "data.max_length": 512,
-    # Padded lengths of 128, 256, 384 and 512, not eight multiples of 64: a cold run compiles each padded
-    # length once (about 25 s each on an H200, docs/benchmarks.md), and the draft's cost is mostly its
-    # N * block query tokens, so padding the context up to 63 more tokens costs little.
+    # With `data.packing=false`: padded lengths of 128, 256, 384 and 512, not eight multiples of 64: a cold run
+    # compiles each padded length once (about 25 s each on an H200, docs/benchmarks.md), and the draft's cost is
+    # mostly its N * block query tokens, so padding the context up to 63 more tokens costs little.
     "data.bucket_multiple": 128,
     "data.eval_size": 64,
     "data.regenerate_max_new_tokens": 256,
     # Every user message of every training conversation (1000: chitchat's longest conversation has 564
     # turns), each asked as a single-turn prompt like the evaluation's: more prompts of the kind the
     # speculative evaluation decodes. 57,741 rows against the first three turns' 10,396: at 3000 steps the
-    # three-turn file was 9 epochs in and overfit past step 3500; this one is 2.8 epochs in at 5000 steps.
-    # Real tau 4.263 (seed 0) against 3.896 / 3.737, held-out chain tau 4.244 / 4.238 at step 5500 (two seeds)
-    # against 3.719 / 3.604 (docs/benchmarks.md, 2026-12-05 and 12-06). Regenerated once at a large batch
-    # (7.9 minutes on an H100, the target's load included): HF generate is bound by per-step overhead at this
-    # model size, so a larger batch is nearly free.
+    # three-turn file was 9 epochs in and overfit past step 3500 (docs/benchmarks.md, 2026-12-05 and 12-06).
+    # Regenerated once at a large batch (7.9 minutes on an H100, the target's load included): HF generate is
+    # bound by per-step overhead at this model size, so a larger batch is nearly free.
     "data.regenerate_turns": 1,
     "data.standalone_turns": 1000,
     "data.regenerate_batch_size": 4096,
-    # 5000 steps, inside the 10-minute budget: on an H100 steps 100-5000 took 5.4 minutes, the held-out
-    # evaluations every 500 included (docs/benchmarks.md, 2026-12-06).
-    "max_steps": 5000,
+    # Packed rows (one [32 x 512] shape, 90% real slots against 49% bucketed): 1.9-2.0x the real tokens/s for a
+    # step 6-14% slower. Real tau 4.297 (seed 0, 4000 steps, 314 s of training) and 4.400 (seed 1, 4708 steps, 364 s)
+    # against the bucketed 5000 steps' 4.263 / 4.159 (341 s on seed 1's card); seed 1's held-out chain tau at packed
+    # step 4000 (about 309 s) already stood above the bucketed run's end, 4.226 against 4.100 (docs/benchmarks.md,
+    # 2026-12-06 night and late night).
+    "data.packing": True,
+    # 4000 packed steps: 4.9 epochs of the 26,240 packed sequences, the held-out chain tau at its peak at the end
+    # (seed 0); less training time than the bucketed 5000 steps (about 309 s against 341 s on seed 1's card).
+    # `data.packing=false max_steps=5000` is that earlier recipe.
+    "max_steps": 4000,
     "time_budget_minutes": 10.0,
     "log_interval": 50,
     "eval_interval": 500,
@@ -103,6 +108,9 @@ LINKED: tuple[frozenset[str], ...] = (
     # A user's num_epochs sets the step count: the preset's max_steps must not cut the passes short (its time budget,
     # which keeps the README line's minutes, still applies)
     frozenset({"max_steps", "num_epochs"}),
+    # The GPU preset's packing is refused with offline features and a tensor-parallel target (config.validate): a
+    # user who sets either gets unpacked rows, not a config error
+    frozenset({"data.packing", "data.features", "tensor_parallel.size"}),
 )
 
 

@@ -26,8 +26,10 @@ dflash2 and dspark (those draft kinds), packed (`data.packing: true`), graph (`c
 (`fp8: true`), muon and muon-lr3x (`optim.optimizer: muon`, at the preset's lr and at 3e-3), fixed-width
 (`draft.anchor_widths=1`: no host-bounded width). Any other variant can be written out as
 `LABEL:key=value+key=value`, e.g. `block8:draft.block_size=8` or `deep:draft.num_layers=3+optim.lr=3e-4`.
-Each row also gives the training throughput and step time of its last log window, the share of real tokens in its
-batches' slots, the peak accelerator memory and the number of CUDA graphs captured.
+Each row also gives the training throughput and step time of its last log window, the seconds its training phase
+took (the check of equal time after the fact: on an H100 the 50-step windows of one run ranged 62-93 ms, so a warm-up
+window can miss a run's mean by several percent), the share of real tokens in its batches' slots, the peak
+accelerator memory and the number of CUDA graphs captured.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def main() -> int:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         rows.append({"variant": name, "steps": summary["steps"], "minutes": (time.perf_counter() - start) / 60,
                      "train_tokens_per_s": summary["train"].get("tokens_per_s"), "step_ms": summary["train"].get("step_ms"),
+                     # the training phase's seconds: equal time checked after the fact (step time drifts along a run)
+                     "train_s": summary["phases"]["training"],
                      # real tokens / slots of an epoch's batches: tokens/s counts slots, padding included
                      "real_fraction": summary.get("padding", {}).get("real_fraction"), "peak_gib": peak,
                      "graphs": len(trainer.graphs) if trainer.graphs is not None else 0,
@@ -142,7 +146,7 @@ def main() -> int:
     print(f"compare_recipes ({length}, {device}): "
           + "; ".join(f"{r['variant']} real tau {fmt(r['real_tau'])} (chain {fmt(r['held_out_chain_tau'])}, "
                       f"uniform {fmt(r['held_out_tau'])}), {fmt(r['train_tokens_per_s'])} tok/s "
-                      f"({fmt(r['real_fraction'])} real), {fmt(r['step_ms'])} ms/step, "
+                      f"({fmt(r['real_fraction'])} real), {fmt(r['step_ms'])} ms/step, {fmt(r['train_s'])} s training, "
                       f"peak {fmt(r['peak_gib'])} GiB, {r['graphs']} graphs" for r in rows))
     return 0
 

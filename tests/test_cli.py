@@ -91,12 +91,29 @@ def test_gpu_preset_leaves_linked_data_keys_to_the_user():
     """The GPU preset asks standalone prompts (one turn each); a user who sets how many turns the target
     answers gets none of the preset's turn settings, not a config error."""
     preset = TrainConfig.from_sources(None, ["device=cuda"])
-    assert (preset.data.regenerate_turns, preset.data.standalone_turns, preset.max_steps) == (1, 1000, 5000)
+    assert (preset.data.regenerate_turns, preset.data.standalone_turns, preset.max_steps) == (1, 1000, 4000)
     turns = TrainConfig.from_sources(None, ["device=cuda", "data.regenerate_turns=2"])
     assert (turns.data.regenerate_turns, turns.data.standalone_turns) == (2, 1)
-    assert turns.max_steps == 5000  # keys outside the linked group still come from the preset
+    assert turns.max_steps == 4000 and turns.data.packing  # keys outside the linked group still come from the preset
     plain = TrainConfig.from_sources(None, ["device=cuda", "data.regenerate=false"])
     assert (plain.data.regenerate, plain.data.standalone_turns) == (False, 1)
+
+
+def test_gpu_preset_packs_rows_unless_a_user_key_refuses_packing():
+    """Packed rows won real τ on two seeds (seed 0 in less training time, seed 1 ahead at equal elapsed time;
+    docs/benchmarks.md, 2026-12-06 late night), so the GPU preset packs; the CPU preset does not (a tie there).
+    Packing is refused with offline features and a tensor-parallel target: a user who sets either gets unpacked
+    rows from the preset, not a config error."""
+    gpu = TrainConfig.from_sources(None, ["device=cuda"])
+    assert (gpu.data.packing, gpu.max_steps) == (True, 4000)
+    assert not TrainConfig.from_sources(None, ["device=cpu"]).data.packing
+    features = TrainConfig.from_sources(None, ["device=cuda", "data.features=/some/features"])
+    assert (features.data.packing, features.max_steps, features.draft.kind) == (False, 4000, "domino")
+    assert not TrainConfig.from_sources(None, ["device=cuda", "tensor_parallel.size=2"]).data.packing
+    with pytest.raises(ValueError, match="set data.packing=false"):  # a user's own packing still meets the refusal
+        TrainConfig.from_sources(None, ["device=cuda", "data.features=/some/features", "data.packing=true"])
+    unpacked = TrainConfig.from_sources(None, ["device=cuda", "data.packing=false"])
+    assert (unpacked.data.packing, unpacked.data.bucket_multiple) == (False, 128)
 
 
 def test_dry_run_prints_the_plan(tiny_target_dir, conversations_file, capsys):

@@ -219,6 +219,7 @@ def test_compare_recipes_tiny(tmp_path):
         assert r["steps"] == summary["steps"] == max(1, round(8 * reference / warm[r["variant"]]["train"]["step_ms"]))
         assert (r["real_tau"], r["held_out_chain_tau"], r["held_out_tau"]) == (spec["tau"], held["chain_tau"], held["tau"])
         assert (r["step_ms"], r["real_fraction"]) == (summary["train"]["step_ms"], summary["padding"]["real_fraction"])
+        assert r["train_s"] == summary["phases"]["training"] > 0
         check_speculative_report(spec)  # real τ: the decode's tokens per target forward
         assert spec["teacher_forced_chain_tau"] == pytest.approx(spec["tau"], rel=1e-9)  # the chain on its outputs
         assert 1.0 <= held["chain_tau"] <= 4 and held["chain_forwards"] > 0
