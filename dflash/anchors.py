@@ -8,9 +8,12 @@ document.
 That rule is written once, in `valid_anchor_mask`; the host-side width bound (`max_valid_anchors`)
 and tokenization's test for a usable row (`has_valid_anchor`) are built on it.
 
-Every row gets exactly `min(N, valid_count)` distinct anchors, drawn uniformly without replacement,
-in a tensor of fixed width N (static shapes: the step can be compiled and graph-captured). The draw
-is "N smallest of i.i.d. uniform scores" via `topk`, which never reads a device value to the host.
+Every row gets exactly `min(N, valid_count)` distinct anchors, drawn without replacement, in a tensor of
+fixed width N (static shapes: the step can be compiled and graph-captured). The draw is "N smallest of
+i.i.d. scores" via `topk`, which never reads a device value to the host: uniform scores give a uniform
+subset; `spread="later"` divides Exp(1) scores by a weight growing with the position in the document
+(Efraimidis-Spirakis weighted sampling without replacement), so later positions of a long conversation,
+whose long context the draft serves, hold more of the anchors.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Score given to invalid positions: above any uniform draw in [0, 1), so topk(largest=False) takes
-# every valid position before any invalid one.
-_INVALID_SCORE = 2.0
+# Score given to invalid positions: above any finite draw, so topk(largest=False) takes every valid position
+# before any invalid one, and a picked slot is real exactly when its score is finite.
+_INVALID_SCORE = float("inf")
+SPREADS = ("uniform", "later")
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,6 +90,7 @@ def sample_anchors(
     generator: torch.Generator | None = None,
     rows: GlobalRows | None = None,
     position_ids: torch.Tensor | None = None,
+    spread: str = "uniform",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` distinct valid anchors per row.
 
@@ -95,6 +100,8 @@ def sample_anchors(
         generator: RNG on `loss_mask.device`; the trainer seeds it from (seed, step), alike on every rank.
         rows: this micro-batch's place in the global batch (`GlobalRows`); None: the rows alone.
         position_ids: `[B, S]` of packed rows (restarting per document): no anchor's next token in another document.
+        spread: "uniform" (every valid position alike) or "later" (position i drawn with weight i + 1, i its
+            position in its document: the weighted subset of Efraimidis and Spirakis, N smallest of Exp(1) / w).
 
     Returns:
         anchors: `LongTensor[B, N]`, ascending among kept slots; padded slots hold 0.
@@ -102,6 +109,8 @@ def sample_anchors(
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if spread not in SPREADS:
+        raise ValueError(f"anchor spread {spread!r}: choose one of {', '.join(SPREADS)}")
     bsz, seq_len = loss_mask.shape
     valid = valid_anchor_mask(loss_mask, position_ids)
     if rows is None:
@@ -112,11 +121,14 @@ def sample_anchors(
                              f"batch [{rows.total}, {rows.width}]")
         scores = torch.rand(rows.total, rows.width, generator=generator, device=loss_mask.device)
         scores = scores[rows.offset:rows.offset + bsz, :seq_len]
+    if spread == "later":
+        position = torch.arange(seq_len, device=loss_mask.device) if position_ids is None else position_ids
+        scores = -torch.log1p(-scores) / (position + 1)  # Exp(1) / weight: finite, since the draws are < 1
     scores = torch.where(valid, scores, _INVALID_SCORE)
 
     k = min(num_anchors, seq_len)
     picked_scores, picked = torch.topk(scores, k, dim=1, largest=False, sorted=False)
-    picked_valid = picked_scores < 1.0
+    picked_valid = picked_scores < _INVALID_SCORE
     # Sort the kept positions ascending; the dropped ones get the sentinel `seq_len` so they sort last.
     picked = torch.where(picked_valid, picked, seq_len)
     picked, _ = torch.sort(picked, dim=1)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from dflash.anchors import SPREADS
 from dflash.config_checks import other_kind_error, section_error, target_layer_errors, unknown_key_hint, yaml_problem
 from dflash.kinds.dflash2 import DFlash2Settings
 from dflash.kinds.domino import DominoSettings
@@ -36,6 +37,7 @@ ParamDtype = Literal["float32", "bfloat16"]
 Sink = Literal["wandb", "tensorboard"]
 CompileScope = Literal["layers", "step"]  # regional (each decoder layer) or the whole draft call
 Optimizer = Literal["adamw", "muon"]
+AnchorSpread = Literal[SPREADS]  # how a row's anchors are drawn over its positions (`anchors.sample_anchors`)
 
 
 @dataclass
@@ -49,6 +51,9 @@ class DraftSettings:
     # Allowed anchor widths ceil(N*k/anchor_widths), k = 1..anchor_widths: each training batch takes the
     # smallest that holds its rows' valid anchors, chosen on the host (1: always N).
     anchor_widths: int = 4
+    # uniform: every valid position alike; later: weighted by the position in its document (position + 1), so a
+    # long conversation's later turns, whose context the draft serves, get more of the N anchors
+    anchor_spread: AnchorSpread = "uniform"
     target_layer_ids: list[int] | None = None  # default: DESIGN §4 rule, one id per draft layer
     mask_token_id: int | str | None = None  # id or token string; default: tokenizer.mask_token_id
     num_attention_heads: int | None = None  # None: the target's
@@ -165,6 +170,9 @@ class TrainConfig:
     compile_scope: CompileScope = "layers"  # compile: true: each draft layer once (layers) or the whole call (step)
     fp8: bool = False  # float8 GEMMs (rowwise scaling, torchao) in the draft's linear layers; FP8 GPUs (sm 8.9+)
     cuda_graph: bool = False  # capture the whole step (forward, backward, clip, AdamW, schedule) in a CUDA graph
+    # recompute each draft layer's activations in the backward instead of storing them: long contexts with many
+    # anchors (the stored activations grow with num_anchors x block_size), for about one more draft forward
+    activation_checkpointing: bool = False
     distributed: Distributed = "ddp"  # with several processes: ddp (replicated draft) | fsdp2 (draft sharded with fully_shard)
     output_dir: str = "runs/dflash"  # a new or empty folder, or a previous run's with resume_from / overwrite_output_dir
     overwrite_output_dir: bool = False  # replace the previous run in output_dir (only the files dflash writes)

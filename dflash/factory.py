@@ -228,8 +228,9 @@ def objective_for(config: TrainConfig, target: Target, draft: nn.Module, *, devi
     check_kind_support(config)
     kind, settings = run_kind(config)
     ds = config.draft
+    draft.checkpoint_layers = config.activation_checkpointing  # a run setting, read by the draft's forward
     common = dict(num_anchors=ds.num_anchors, attention=resolve_attention(ds.attention, device), dtype=dtype,
                   gamma=ds.loss_decay_gamma, ce_chunk_size=config.ce_chunk_size, labels=config.data.labels,
                   position_weights=ds.position_weights, dpace_alpha=ds.dpace_alpha, draft_call=draft_call,
-                  compile_loss=config.compile)
+                  compile_loss=config.compile, anchor_spread=ds.anchor_spread)
     return kind.objective(target, draft, **{**common, **kind.objective_options(settings)})

@@ -302,6 +302,9 @@ class DFlashDraftModel(nn.Module):
     # ---- the proposal rule (speculative decoding asks the draft, never its kind) ----
 
     fixed_block_size = False  # True: it decodes blocks of its trained block_size only (DFlash 2's convs)
+    # `activation_checkpointing`: each layer's activations are recomputed in the backward instead of stored. A run
+    # setting (the trainer sets it), not part of the published config.
+    checkpoint_layers = False
 
     @classmethod
     def proposals_per_block(cls, block_size: int) -> int:
@@ -359,6 +362,10 @@ class DFlashDraftModel(nn.Module):
             ctx_kv = [self.context_features(target_hidden, ctx_position_ids)] * len(self.layers)
         x = noise_embeds
         cos, sin = self.rope(position_ids, x.dtype)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, kv, cos, sin, mask)
+            if recompute:  # only the layer's input stays alive; no RNG in a layer, so none is saved (graph-capturable)
+                x = checkpoint(layer, x, kv, cos, sin, mask, use_reentrant=False, preserve_rng_state=False)
+            else:
+                x = layer(x, kv, cos, sin, mask)
         return self.norm(x)

@@ -60,7 +60,8 @@ class DFlashObjective(nn.Module):
     def __init__(self, target: Target, draft: DFlashDraftModel, *, num_anchors: int, attention: str = "sdpa",
                  dtype: torch.dtype = torch.float32, gamma: float | str | None = "auto", ce_chunk_size: int = 4096,
                  labels: str = "data", position_weights: str = "decay", dpace_alpha: float = 0.5,
-                 draft_call: Callable[..., torch.Tensor] | None = None, compile_loss: bool = False) -> None:
+                 draft_call: Callable[..., torch.Tensor] | None = None, compile_loss: bool = False,
+                 anchor_spread: str = "uniform") -> None:
         super().__init__()
         if target.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -70,6 +71,7 @@ class DFlashObjective(nn.Module):
         self.target, self.draft = target, draft
         self.block_size = draft.config.block_size
         self.num_anchors = num_anchors
+        self.anchor_spread = anchor_spread
         self.attention = attention
         self.dtype = dtype
         # D-PACE and "none" plan unit weights: the denominator is the supervised-slot count.
@@ -96,10 +98,16 @@ class DFlashObjective(nn.Module):
         `num_anchors` overrides the training width N (evaluation scores every valid position); `rows`: the
         micro-batch's place in the batch of all ranks (`anchors.GlobalRows`); `position_ids` `[B, S]`: packed
         rows' positions, restarting per document (the targets carry them to the forward)."""
-        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows,
-                                       position_ids=position_ids)
+        anchors, keep = self.sample(loss_mask, generator, num_anchors, rows, position_ids)
         return anchors, keep, block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma,
                                             position_ids)
+
+    def sample(self, loss_mask: torch.Tensor, generator: torch.Generator | None, num_anchors: int | None = None,
+               rows: GlobalRows | None = None, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Anchors `[B, N]` and keep `[B, N]` of one micro-batch (`anchors.sample_anchors` at this objective's width
+        and spread; `num_anchors` overrides the width): the one draw every kind's `plan` makes."""
+        return sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows,
+                              position_ids=position_ids, spread=self.anchor_spread)
 
     def mask(self, anchors: torch.Tensor, keep: torch.Tensor, seq_len: int,
              position_ids: torch.Tensor | None = None) -> Any:

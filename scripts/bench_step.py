@@ -69,8 +69,10 @@ from dflash.kinds.dflash2 import DFlash2HeadConfig  # noqa: E402
 from dflash.kinds.domino import DominoHeadConfig  # noqa: E402
 from dflash.kinds.dspark import DSparkHeadConfig  # noqa: E402
 from dflash.kinds.registry import draft_model_for_config  # noqa: E402
+from dflash.memory import StepShape, estimate  # noqa: E402
 from dflash.modeling import DFlashDraftConfig  # noqa: E402
-from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
+from dflash.runtime import DTYPES, init_distributed, shutdown_distributed  # noqa: E402
+from dflash.target_model.tensor_parallel import target_parameter_bytes  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
 HEADS = {"domino": DominoHeadConfig, "dflash2": DFlash2HeadConfig, "dspark": DSparkHeadConfig}  # kind -> its head keys
@@ -177,7 +179,8 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
     cfg = TrainConfig(device=str(device), dtype=str(dtype).replace("torch.", ""), max_steps=10_000,
                       batch_size=s.batch, param_dtype=args.param_dtype, compile=args.compile,
                       cuda_graph=args.cuda_graph, ce_chunk_size=args.ce_chunk, distributed=args.distributed,
-                      fp8=args.fp8, compile_scope=args.compile_scope)
+                      fp8=args.fp8, compile_scope=args.compile_scope,
+                      activation_checkpointing=args.activation_checkpointing)
     cfg.optim.optimizer = args.optimizer
     cfg.draft.kind, cfg.draft.num_anchors, cfg.draft.block_size = args.kind, s.anchors, s.block
     cfg.draft.attention = args.attention
@@ -198,6 +201,26 @@ def build(name: str, s: Shape, args: argparse.Namespace, device: torch.device) -
     if args.kind in HEADS:  # the kind's head keys from its config section (`domino`, `dflash2`, `dspark`)
         draft_cfg = dataclasses.replace(draft_cfg, extra=HEADS[args.kind].from_settings(getattr(cfg, args.kind)).to_extra())
     return DFlashTrainer(cfg, frozen_target=target, draft=draft_model_for_config(draft_cfg))
+
+
+def estimated_memory(trainer: DFlashTrainer, s: Shape) -> dict[str, float]:
+    """`dflash.memory.estimate` of this step (GiB): what `dflash train --dry-run` prints for the same shapes. The
+    random-feature stand-in's features are the step's features (counted there), not target weights."""
+    target = trainer.objective.target
+    if isinstance(target, RandomFeatureTarget):
+        target_bytes, layers_run = sum(_nbytes(b) for b in (target.embed_weight, target.lm_head_weight)), 0
+    else:
+        target_bytes, layers_run = target_parameter_bytes(target)["total"], max(trainer.draft_config.target_layer_ids) + 1
+    cfg, d = trainer.config, trainer.draft_config
+    shape = StepShape(target_bytes=target_bytes, target_hidden=s.hidden, target_ffn=s.ffn, target_layers_run=layers_run,
+                      hidden=d.hidden_size, layers=d.num_hidden_layers, q_width=d.num_attention_heads * d.head_dim,
+                      kv_width=d.num_key_value_heads * d.head_dim, ffn=d.intermediate_size, vocab=d.vocab_size,
+                      feature_layers=len(d.target_layer_ids), draft_params=sum(p.numel() for p in trainer.draft.parameters()),
+                      rows=s.batch, positions=s.seq, anchors=s.anchors, block_size=s.block, ce_chunk=cfg.ce_chunk_size,
+                      compute_bytes=trainer.dtype.itemsize, param_bytes=DTYPES[cfg.param_dtype].itemsize,
+                      optimizer_states=1 if cfg.optim.optimizer == "muon" else 2, compiled=cfg.compile,
+                      checkpointing=cfg.activation_checkpointing)
+    return estimate(shape)
 
 
 def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
@@ -454,6 +477,8 @@ def main() -> int:
     p.add_argument("--compile-scope", choices=typing.get_args(CompileScope), default="step",
                    help="with --compile: each decoder layer once (layers) or the whole draft call (step)")
     p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each draft layer in the backward (activation_checkpointing: true)")
     p.add_argument("--fp8", action="store_true", help="float8 GEMMs in the draft's linear layers (fp8: true; torchao)")
     p.add_argument("--optimizer", choices=typing.get_args(Optimizer), default="adamw",
                    help="muon: Muon for the layers' and fc's matrices (optim.optimizer), AdamW for the rest")
@@ -515,7 +540,10 @@ def main() -> int:
         "ms_per_step": ms, "tokens_per_s": s.batch * s.seq / ms * 1e3,
         "mask_density": density, "tflops_specforge": f["specforge"] / ms / 1e9, "tflops_needed": f["needed"] / ms / 1e9,
         "matmul_peak_tflops": peak / 1e12, "peak_mem_gib": peak_mem,
+        "activation_checkpointing": args.activation_checkpointing,
     }
+    result["estimated_mem_gib"] = estimated_memory(trainer, s)
+    result["estimate_over_measured"] = result["estimated_mem_gib"]["peak"] / peak_mem if peak_mem == peak_mem else None
     result["mfu_specforge"] = result["tflops_specforge"] * 1e12 / peak if not math.isnan(peak) else float("nan")
     result["mfu_needed"] = result["tflops_needed"] * 1e12 / peak if not math.isnan(peak) else float("nan")
     result["samples_per_s"] = s.batch / ms * 1e3
@@ -563,7 +591,8 @@ def main() -> int:
     muon = " muon" if args.optimizer == "muon" else ""
     line = (f"bench {args.config} {args.kind}{muon} seq={s.seq} anchors={s.anchors}: {ms:.1f} ms/step, "
             f"{result['tflops_specforge']:.0f} TFLOP/s (specforge count, MFU {result['mfu_specforge']:.1%}), "
-            f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB, "
+            f"{result['tflops_needed']:.0f} TFLOP/s needed (MFU {result['mfu_needed']:.1%}), peak {peak_mem:.1f} GiB "
+            f"(estimated {result['estimated_mem_gib']['peak']:.1f}), "
             f"{result['samples_per_s']:.2f} samples/s")
     if "tflops_end_to_end" in result:
         line += (f"; {args.kind} end to end (target forward included): "

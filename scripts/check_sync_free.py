@@ -49,13 +49,13 @@ from dflash.runtime import init_distributed, shutdown_distributed  # noqa: E402
 from dflash.trainer import DFlashTrainer  # noqa: E402
 
 
-def tiny_llama(cuda: bool):
+def tiny_llama(cuda: bool, positions: int = 4096):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if cuda:  # SmolLM2-135M's shapes, random weights
         cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          num_key_value_heads=3, vocab_size=49_152, max_position_embeddings=4096)
+                          num_key_value_heads=3, vocab_size=49_152, max_position_embeddings=max(4096, positions))
     else:
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
@@ -63,16 +63,20 @@ def tiny_llama(cuda: bool):
 
 
 def config(cuda: bool, device: torch.device | None = None, kind: str = "dflash", optimizer: str = "adamw",
-           packing: bool = False, **kw) -> TrainConfig:
+           packing: bool = False, seq: int | None = None, anchors: int | None = None, **kw) -> TrainConfig:
+    """The checked run's config: on a GPU 8 rows of 512 tokens and 64 anchors (`seq`, `anchors`: longer rows,
+    fewer of them: 8 x 512 tokens a micro-batch at most)."""
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
-    cfg = TrainConfig(device=str(device), max_steps=1000, batch_size=8 if cuda else 2, log_interval=10**9, **kw)
+    seq = seq or (512 if cuda else 64)
+    batch = max(1, 8 * 512 // seq) if cuda else 2
+    cfg = TrainConfig(device=str(device), max_steps=1000, batch_size=batch, log_interval=10**9, **kw)
     cfg.draft.kind, cfg.draft.num_layers, cfg.draft.block_size = kind, 2, 16 if cuda else 4
     if not cuda:  # a Domino head in proportion to the tiny target
         cfg.domino.gru_hidden_dim, cfg.domino.emb_dim = 32, 16
-    cfg.draft.num_anchors = 64 if cuda else 8
+    cfg.draft.num_anchors = anchors or (64 if cuda else 8)
     cfg.draft.mask_token_id = 0
     cfg.optim.grad_accum, cfg.optim.optimizer = 2, optimizer
-    cfg.data.packing, cfg.data.max_length = packing, 512 if cuda else 64
+    cfg.data.packing, cfg.data.max_length = packing, seq
     return cfg
 
 
@@ -103,17 +107,18 @@ def detector_name(attention: str, aten_checks: bool, cuda: bool) -> str:
 
 def sync_free_steps(cuda: bool, steps: int, *, device: torch.device | None = None, distributed: str = "ddp",
                     rank: int = 0, world: int = 1, attention: str = "auto", aten_checks: bool = True,
-                    kind: str = "dflash", optimizer: str = "adamw", packing: bool = False) -> tuple[int, int]:
+                    kind: str = "dflash", optimizer: str = "adamw", packing: bool = False, seq: int | None = None,
+                    anchors: int | None = None) -> tuple[int, int]:
     """Run `steps` non-log steps from the real loader inside forbid_syncs; return (steps done, syncs).
 
     One process: the first sync raises. Several: each sync is counted (so every rank reaches the
     end and its collectives) and reported on stderr with the rank.
     """
     device = device if device is not None else torch.device("cuda" if cuda else "cpu")
-    cfg = config(cuda, device, kind, optimizer, packing, distributed=distributed)
+    cfg = config(cuda, device, kind, optimizer, packing, seq, anchors, distributed=distributed)
     cfg.draft.attention = attention
-    trainer = DFlashTrainer(cfg, target=tiny_llama(cuda), tokenizer=None)
-    seq, vocab = (512, 49_152) if cuda else (64, 256)
+    seq, vocab = cfg.data.max_length, 49_152 if cuda else 256
+    trainer = DFlashTrainer(cfg, target=tiny_llama(cuda, seq), tokenizer=None)
     data = training_rows(rows(64 * world * (3 if packing else 1), seq, vocab, prompt=seq // 4, packing=packing), cfg.data)
     collator = Collator.for_tokenizer(None, cfg.data) if packing else Collator(0, 64, seq)
     loader = make_dataloader(data, trainer.config.batch_size * 2, collator, num_workers=2, rank=rank,
@@ -189,10 +194,13 @@ def main() -> int:
                    help="draft kind (domino: the default Domino head, GRU 1024 and emb_dim 256 on a GPU)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="optim.optimizer of the step")
     p.add_argument("--packing", action="store_true", help="packed rows (data.packing)")
+    p.add_argument("--seq", type=int, help="tokens per row (packed: per sequence); default 512 on a GPU, 64 on a CPU")
+    p.add_argument("--anchors", type=int, help="draft.num_anchors (default 64 on a GPU, 8 on a CPU)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     label = ", ".join([args.kind] + ([args.optimizer] if args.optimizer != "adamw" else [])
-                      + (["packed"] if args.packing else []))
+                      + (["packed"] if args.packing else []) + ([f"S={args.seq}"] if args.seq else [])
+                      + ([f"N={args.anchors}"] if args.anchors else []))
     rank, world = init_distributed()  # (0, 1) in a single process
     passes = detector_passes(cuda)
     if world > 1:
@@ -201,7 +209,8 @@ def main() -> int:
         for attention, aten_checks in passes:
             done, syncs = sync_free_steps(cuda, args.steps, device=device, distributed=args.distributed, rank=rank,
                                           world=world, attention=attention, aten_checks=aten_checks, kind=args.kind,
-                                          optimizer=args.optimizer, packing=args.packing)
+                                          optimizer=args.optimizer, packing=args.packing, seq=args.seq,
+                                          anchors=args.anchors)
             counts = [None] * world
             dist.all_gather_object(counts, syncs)
             per_rank = [a + b for a, b in zip(per_rank, counts, strict=True)]
@@ -215,7 +224,7 @@ def main() -> int:
         return 0 if sum(per_rank) == 0 else 1
     for attention, aten_checks in passes:  # the first sync raises
         done, _ = sync_free_steps(cuda, args.steps, attention=attention, aten_checks=aten_checks, kind=args.kind,
-                                  optimizer=args.optimizer, packing=args.packing)
+                                  optimizer=args.optimizer, packing=args.packing, seq=args.seq, anchors=args.anchors)
     names = "; ".join(detector_name(a, c, cuda) for a, c in passes)
     summary = f"check_sync_free ({label}): 0 syncs in {done} non-log steps per pass ({names})"
     ok = True

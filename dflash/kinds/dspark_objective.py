@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from dflash.anchors import GlobalRows, sample_anchors
+from dflash.anchors import GlobalRows
 from dflash.kinds.dspark import DSparkDraftModel
 from dflash.losses import (
     BlockTargets,
@@ -231,8 +231,7 @@ class DSparkObjective(DFlashObjective):
              num_anchors: int | None = None, rows: GlobalRows | None = None,
              position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockTargets]:
         """`DFlashObjective.plan` with DSpark's targets `[B, N, bs + 1]` (`dspark_block_targets`)."""
-        anchors, keep = sample_anchors(loss_mask, num_anchors or self.num_anchors, generator=generator, rows=rows,
-                                       position_ids=position_ids)
+        anchors, keep = self.sample(loss_mask, generator, num_anchors, rows, position_ids)
         return anchors, keep, dspark_block_targets(input_ids, loss_mask, anchors, keep, self.block_size, self.gamma,
                                                    position_ids)
 

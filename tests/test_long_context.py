@@ -1,0 +1,96 @@
+"""Long-context training (issue 61): activation checkpointing of the draft's layers, the anchor spread over a
+long row, and the step's memory estimate (what `--dry-run` prints)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import KIND_HEADS, make_tiny_target, random_batch, tiny_config
+
+from dflash.anchors import sample_anchors
+from dflash.diagnostics import forbid_syncs
+from dflash.kinds.registry import KIND_NAMES
+from dflash.trainer import DFlashTrainer
+
+
+def _saved_bytes(trainer: DFlashTrainer, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes autograd keeps for the backward of one micro-batch's forward (each storage counted once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    objective = trainer.objective
+    anchors, keep, targets = objective.plan(batch["input_ids"], batch["loss_mask"], torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        objective(batch["input_ids"], anchors, keep, targets)
+    weights = {p.untyped_storage().data_ptr() for p in [*objective.parameters(), *objective.buffers()]}
+    return sum(n for ptr, n in storages.items() if ptr not in weights)
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_activation_checkpointing_keeps_the_step_and_frees_the_layers(name):
+    """Same losses and updates with and without recomputation, for every kind; the forward keeps less for the
+    backward (the layers' activations are recomputed), and the step stays sync-free."""
+    target, batch = make_tiny_target(), random_batch(batch=4, seq=48)
+    runs = {}
+    for recompute in (False, True):
+        trainer = DFlashTrainer(tiny_config(**KIND_HEADS[name], activation_checkpointing=recompute, draft__num_layers=3),
+                                target=copy.deepcopy(target))
+        assert trainer.draft.checkpoint_layers is recompute
+        saved = _saved_bytes(trainer, batch)
+        with forbid_syncs(raise_on_first=False) as report:
+            for _ in range(2):
+                trainer.train_step(batch)
+        assert report.findings == [], report
+        runs[recompute] = (saved, trainer.metrics.flush()["loss"], [p.detach().clone() for p in trainer.draft.parameters()])
+    (saved_plain, loss_plain, weights_plain), (saved_ckpt, loss_ckpt, weights_ckpt) = runs[False], runs[True]
+    assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
+    for a, b in zip(weights_plain, weights_ckpt, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert saved_ckpt < 0.6 * saved_plain, (saved_ckpt, saved_plain)
+
+
+def test_later_spread_weights_anchors_by_position_and_keeps_the_rules():
+    """`spread="later"`: a position's chance grows with its place in its document (packed rows: restarting at
+    each document), the draw keeps min(N, valid) distinct valid anchors, sorted, and uniform stays uniform."""
+    seq, n, draws = 64, 8, 4000
+    loss_mask = torch.ones(draws, seq, dtype=torch.bool)
+    generator = torch.Generator().manual_seed(0)
+    counts = {}
+    for spread in ("uniform", "later"):
+        anchors, keep = sample_anchors(loss_mask, n, generator=generator, spread=spread)
+        assert keep.all() and (anchors[:, 1:] > anchors[:, :-1]).all()  # n distinct valid anchors, ascending
+        counts[spread] = torch.bincount(anchors.flatten(), minlength=seq).float() / draws
+    valid = seq - 1  # the last position is never an anchor
+    late_share = {s: c[valid // 2:].sum().item() / n for s, c in counts.items()}
+    assert late_share["uniform"] == pytest.approx(0.5, abs=0.02)
+    assert late_share["later"] > 0.6, late_share  # weights i + 1: about 3/4 of the mass in the second half
+    assert counts["later"][4] < counts["later"][60]
+
+    # packed rows: the weight follows the position in the document, and no anchor crosses a document end
+    position_ids = torch.cat([torch.arange(32), torch.arange(32)]).expand(draws, -1)
+    anchors, keep = sample_anchors(loss_mask, n, generator=generator, spread="later", position_ids=position_ids)
+    assert keep.all() and not ((anchors == 31) & keep).any()
+    per_doc = torch.bincount(anchors.flatten(), minlength=seq).float()
+    assert per_doc[:31].sum().item() == pytest.approx(per_doc[32:63].sum().item(), rel=0.1)  # each document alike
+    assert per_doc[20:31].sum() > 2 * per_doc[:11].sum()  # within a document, later positions hold more
+
+    # a row with fewer valid positions than N keeps them all, whatever the spread
+    short = torch.zeros(1, seq, dtype=torch.bool)
+    short[0, 10:14] = True
+    anchors, keep = sample_anchors(short, n, generator=generator, spread="later")
+    assert anchors[keep].tolist() == [10, 11, 12]
+
+
+def test_a_run_with_the_later_spread_trains():
+    trainer = DFlashTrainer(tiny_config(draft__anchor_spread="later"), target=make_tiny_target())
+    assert trainer.objective.anchor_spread == "later"
+    batch = random_batch(batch=4, seq=48)
+    for _ in range(3):
+        trainer.train_step(batch)
+    assert math.isfinite(trainer.metrics.flush()["loss"])
