@@ -167,7 +167,9 @@ def random_batch(s: Shape, device: torch.device, dtype: torch.dtype) -> dict[str
     ids = torch.randint(0, s.vocab - 2, (s.batch, s.seq), generator=g)
     mask = torch.ones(s.batch, s.seq)  # float, as in SpecForge's benchmark; they threshold it at 0.5
     mask[:, : s.seq // 8] = 0.0  # a prompt
-    hidden = torch.randn(s.batch, s.seq, s.target_layers * s.hidden, generator=g).to(device, dtype)
+    # drawn on the device, as bench_step's stand-in target draws its features
+    hidden = torch.randn(s.batch, s.seq, s.target_layers * s.hidden, generator=torch.Generator(device=device).manual_seed(0),
+                         device=device, dtype=dtype)
     host = {"input_ids": ids, "loss_mask": mask}
     if device.type == "cuda":
         host = {k: v.pin_memory() for k, v in host.items()}

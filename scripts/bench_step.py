@@ -114,10 +114,12 @@ class RandomFeatureTarget(nn.Module):
         self.hidden_size = s.hidden
         self.register_buffer("embed_weight", (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(device, dtype))
         self.register_buffer("lm_head_weight", (torch.randn(s.vocab, s.hidden, generator=g) * 0.02).to(device, dtype))
-        self.register_buffer("features", torch.randn(s.batch, s.seq, s.target_layers * s.hidden, generator=g).to(device, dtype))
-
+        # drawn on the device: at long contexts the host's draw took most of a run's setup (2.7e9 values at 128K)
+        gd = torch.Generator(device=device).manual_seed(0)
+        self.register_buffer("features", torch.randn(s.batch, s.seq, s.target_layers * s.hidden, generator=gd,
+                                                     device=device, dtype=dtype))
         # a final-normed last hidden state, for DSpark's L1 term (`LastHiddenTarget`)
-        self.register_buffer("last_hidden", torch.randn(s.batch, s.seq, s.hidden, generator=g).to(device, dtype))
+        self.register_buffer("last_hidden", torch.randn(s.batch, s.seq, s.hidden, generator=gd, device=device, dtype=dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.features[: input_ids.shape[0], : input_ids.shape[1]]
