@@ -67,6 +67,8 @@ def command(run: Run, args: argparse.Namespace, out: Path) -> list[str]:
     """The process that measures `run`."""
     shape = ["--seq", str(run.seq), "--anchors", str(run.anchors), "--batch", str(run.batch),
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", str(out)]
+    if args.memory_cap_gib:
+        shape += ["--memory-cap-gib", str(args.memory_cap_gib)]
     if run.side == "specforge":
         return [sys.executable, str(REPO / "scripts" / "bench_specforge.py"), "--kind", run.kind,
                 "--config", args.config, "--specforge", str(args.specforge), *shape]
@@ -167,6 +169,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=420, help="seconds per process")
+    p.add_argument("--memory-cap-gib", type=float, help="GPU memory each process may allocate (79: an 80 GB card's, on an H200)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []

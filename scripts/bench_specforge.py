@@ -50,7 +50,7 @@ from transformers import Qwen3Config
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_step import SHAPES, Shape, flops, matmul_peak, time_steps  # noqa: E402
+from bench_step import SHAPES, Shape, cap_memory, flops, matmul_peak, time_steps  # noqa: E402
 
 CONFIGS = ("specforge", "tiny")
 LAMBDA_BASE = 0.5
@@ -210,6 +210,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optimizer", choices=["fused", "specforge"], default="fused",
                    help="fused: torch's fused AdamW (bench_step's step); specforge: their BF16Optimizer")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--memory-cap-gib", type=float, help="allocate at most this much GPU memory (e.g. 79 on an H200)")
     return p.parse_args()
 
 
@@ -220,6 +221,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="flash_attn is not found")  # their EAGLE module's import-time notice
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cap_memory(device, args.memory_cap_gib)
     attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     backend = {"flex": "flex_attention", "sdpa": "sdpa"}[attention]
     s = replace(SHAPES[args.config], **{f: getattr(args, f) for f in ("batch", "seq", "anchors") if getattr(args, f)})

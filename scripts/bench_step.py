@@ -271,6 +271,14 @@ def flops(s: Shape, mask_density: float) -> dict[str, float]:
     return {"specforge": specforge, "needed": needed}
 
 
+def cap_memory(device: torch.device, gib: float | None) -> None:
+    """Let this process allocate at most `gib` GiB of the GPU (an H200 standing in for an 80 GB card: what fits
+    is then what fits an H100). No-op without a cap or a GPU."""
+    if gib and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / torch.cuda.get_device_properties(device).total_memory),
+                                                   device)
+
+
 def matmul_peak(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -488,6 +496,7 @@ def main() -> int:
     p.add_argument("--latency", action="store_true", help="also measure latency hiding (sync-free vs forced sync)")
     p.add_argument("--data-latency-ms", type=float, help="CPU work per batch (default: half the measured step)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--memory-cap-gib", type=float, help="allocate at most this much GPU memory (e.g. 79 on an H200)")
     p.add_argument("--distributed", choices=typing.get_args(Distributed),
                    help="under torchrun / accelerate launch: replicate (ddp, the default) or shard (fsdp2) the draft")
     p.add_argument("--kind", choices=["dflash", *HEADS], default="dflash", help="draft kind, in every configuration")
@@ -509,6 +518,7 @@ def main() -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     args.param_dtype = args.param_dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    cap_memory(device, args.memory_cap_gib)
     s = SHAPES[args.config]
     for field in ("seq", "anchors", "batch"):
         if getattr(args, field):

@@ -94,3 +94,46 @@ def test_a_run_with_the_later_spread_trains():
     for _ in range(3):
         trainer.train_step(batch)
     assert math.isfinite(trainer.metrics.flush()["loss"])
+
+
+def _shape(**overrides):
+    from dflash.memory import StepShape
+
+    base = dict(target_bytes=16 * 2**30, target_hidden=4096, target_ffn=12288, target_layers_run=34, hidden=4096,
+                layers=5, q_width=4096, kv_width=1024, ffn=12288, vocab=151_936, feature_layers=5,
+                draft_params=1_050_000_000, rows=1, positions=32768, anchors=4096, block_size=16, ce_chunk=2048,
+                param_bytes=2)
+    return StepShape(**{**base, **overrides})
+
+
+def test_memory_estimate_follows_the_shapes():
+    """The estimate's parts: the draft layers' activations grow with the block tokens (anchors x block), the context
+    with the positions, recomputation keeps one layer's; the peak is what lives all run plus the largest phase."""
+    from dflash.memory import estimate
+
+    base = estimate(_shape())
+    assert base["peak"] == pytest.approx(base["weights"] + base["optimizer_state"]
+                                         + max(base["target_phase"], base["draft_phase"], base["backward_phase"]))
+    assert estimate(_shape(anchors=2048))["layer_activations"] == pytest.approx(base["layer_activations"] / 2)
+    assert estimate(_shape(positions=16384))["context"] == pytest.approx(base["context"] / 2)
+    ckpt = estimate(_shape(checkpointing=True))
+    assert ckpt["layer_activations"] < base["layer_activations"] / 10 and ckpt["peak"] < base["peak"] - 20
+    assert estimate(_shape(compiled=False))["layer_activations"] > base["layer_activations"]
+    assert estimate(_shape(target_layers_run=0))["target_phase"] == 0  # offline features: no target forward
+
+
+def test_memory_estimate_of_a_config_reads_its_settings(tiny_target):
+    """`step_shape` takes the micro-batch (packed: the pack length), anchors, dtypes and options of the run."""
+    from dflash.memory import step_shape
+    from dflash.modeling import DFlashDraftConfig
+
+    cfg = tiny_config(batch_size=3, data__max_length=96, data__packing=True, data__pack_length=256,
+                      param_dtype="float32", compile=True, activation_checkpointing=True, optim__optimizer="muon")
+    draft_cfg = DFlashDraftConfig.for_target(tiny_target.config, mask_token_id=1, num_hidden_layers=2,
+                                             target_layer_ids=[0, 2])
+    shape = step_shape(cfg, tiny_target.config, draft_cfg, 1000, 5000, 2)
+    assert (shape.rows, shape.positions, shape.anchors, shape.block_size) == (3, 256, 8, draft_cfg.block_size)
+    assert (shape.param_bytes, shape.optimizer_states, shape.compiled, shape.checkpointing) == (4, 1, True, True)
+    assert shape.target_layers_run == 3 and shape.feature_layers == 2
+    cfg.data.packing = False
+    assert step_shape(cfg, tiny_target.config, draft_cfg, 1000, 5000, 2).positions == 96
