@@ -32,6 +32,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -237,3 +238,35 @@ def chitchat_conversations(path: Path | None = None) -> list[dict[str, Any]]:
         messages = [{"role": roles[i % 2], "content": text} for i, (_, text) in enumerate(turns)]
         conversations.append({"id": conv_id, "messages": messages})
     return conversations
+
+
+LONG_CHITCHAT = "chitchat-long"  # `data.source`: long conversations made of whole chitchat conversations
+# Human characters a long conversation holds: 3K-9K, about 16-48 user turns. Regenerated, each turn is a user message
+# (~25 tokens) and the target's reply (a ~100-token guess for SmolLM2), so rows of about 2K-6K tokens; the rows'
+# real lengths are logged by the run (and capped by data.regenerate_max_prompt_tokens).
+LONG_CHITCHAT_CHARS = (3_000, 9_000)
+
+
+def long_chitchat_conversations(path: Path | None = None, chars: tuple[int, int] = LONG_CHITCHAT_CHARS,
+                                seed: int = 0) -> list[dict[str, Any]]:
+    """Long multi-turn conversations for long-context training and evaluation (`data.source: chitchat-long`):
+    whole chitchat conversations, in file order, joined end to end as one user going on chatting, each long
+    conversation closed once its messages hold a length drawn uniformly from `chars` (characters; seeded, so the
+    set is the same on every machine). A part ending with a user turn drops it (roles keep alternating); the
+    id is the first part's. Regenerated, every assistant turn is the target's, so the text a row holds grows
+    to several times the human characters counted here."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    messages: list[dict[str, str]] = []
+    first, goal, size = "", rng.randint(*chars), 0
+    for conv in chitchat_conversations(path):
+        part = conv["messages"][:-1] if conv["messages"] and conv["messages"][-1]["role"] == "user" else conv["messages"]
+        if len(part) < 2:
+            continue
+        first = first or conv["id"]
+        messages += part
+        size += sum(len(m["content"]) for m in part)
+        if size >= goal:
+            out.append({"id": f"long-{first}", "messages": messages})
+            messages, first, goal, size = [], "", rng.randint(*chars), 0
+    return out

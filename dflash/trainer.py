@@ -359,6 +359,7 @@ class DFlashTrainer:
         return held_out_speculative_eval(self.target, self.tokenizer, self.draft if draft is None else draft,
                                          conversations, rank=self.rank, num_prompts=num_prompts or self.config.spec_eval_prompts,
                                          max_new_tokens=self.config.spec_eval_max_new_tokens,
+                                         max_prompt_tokens=max(512, self.config.data.max_length),  # a token row's history
                                          chain_tau=self._chain_tau_on if self.world_size == 1 else None)
 
     def _chain_tau_on(self, texts: list[tuple[list[int], list[int]]]) -> float:

@@ -256,7 +256,7 @@ def test_vllm_serves_the_embedded_targets_folder_that_dflash_export_names(tokeni
     replier = VLLMReplier(folder, tokenizer, [tokenizer.eos_token_id], dtype=torch.float32, device=torch.device("cpu"),
                           max_model_len=256)
     try:
-        (text, finished), = replier.reply([ids], 24)
+        (text, finished, *_), = replier.reply([ids], 24)
     finally:
         replier.close()
     model, _ = load_embedded_target()

@@ -23,6 +23,7 @@ from dflash.data.regenerate import prompt_id, prompt_turns, regenerate, stop_tok
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import tokenize_conversation
 from dflash.embedded import cache_root, load_embedded_target
+from dflash.engines import Reply
 from dflash.target_model.loading import weights_fingerprint
 
 CONVERSATIONS = [
@@ -218,7 +219,7 @@ def test_a_batch_out_of_memory_is_answered_in_halves(tmp_path, tokenizer, monkey
         calls.append(len(prompts))
         if len(calls) > 1 and len(prompts) > 1:
             raise torch.OutOfMemoryError("CUDA out of memory (planted)")
-        return [(f"reply to {len(ids)} tokens", True) for ids in prompts]
+        return [Reply(f"reply to {len(ids)} tokens", True) for ids in prompts]
 
     monkeypatch.setattr(regen, "_generate", generate)
     chats = [{"id": str(k), "messages": [{"role": "user", "content": f"question {k}"},

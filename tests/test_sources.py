@@ -54,7 +54,7 @@ def test_bad_rows_are_counted_and_named(tmp_path, caplog):
         json.dumps({"messages": [{"content": "no role"}, CHAT[2]]}),  # line 2
         json.dumps({"messages": [CHAT[1], {"role": "assistant", "content": "  "}]}),  # line 3
         json.dumps({"messages": [CHAT[1]]}),  # line 4: no assistant turn
-        json.dumps({"messages": [CHAT[1], {"role": "tool", "content": "x"}, CHAT[2]]}),  # line 5
+        json.dumps({"messages": [CHAT[1], {"role": "narrator", "content": "x"}, CHAT[2]]}),  # line 5
         '{"messages": [',  # line 6: malformed
         json.dumps(good),
         json.dumps({"text": "plain"}),  # line 8
@@ -79,7 +79,7 @@ def test_bad_rows_are_counted_and_named(tmp_path, caplog):
         "non-UTF-8 lines": 1,
     }
     assert report.first_bad["missing role"] == f"{path} line 2"
-    assert report.first_bad["unknown role"] == f"{path} line 5: 'tool'"
+    assert report.first_bad["unknown role"] == f"{path} line 5: 'narrator'"  # a tool result: tests/test_tool_calls.py
     assert report.first_bad["malformed JSON lines"].startswith(f"{path} line 6")
     assert report.first_bad["non-UTF-8 lines"].startswith(f"{path} line 12")
     assert f"(first: {path} line 2)" in caplog.text and "skipped 8" in caplog.text

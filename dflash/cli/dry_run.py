@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.data.corpus import _regenerated_file, _training_rows, split_conversations, split_warning
+from dflash.data.corpus import _regenerated_file, _training_rows, regenerates, split_conversations, split_warning
 from dflash.data.loader import pack_length
 from dflash.data.regenerate import prompt_id, prompt_turns
 from dflash.data.repliers import target_identity
@@ -127,11 +127,12 @@ def phases(config: TrainConfig) -> dict[str, Any]:
         out["phases"] = f"data.source {d.source!r} is not a local file: its sizes are counted once the run loads it"
         return out
     train, held, _, available = split_conversations(d)
-    prompts = _training_rows(train, held, d) if d.regenerate else train
+    regenerated = regenerates(d, train + held)  # token rows are trained as given; tool conversations are refused
+    prompts = _training_rows(train, held, d) if regenerated else train
     if d.features:  # the rows are those the features were written from (`dflash features` regenerated them)
         out["phase_regeneration"] = f"none (data.features: the target's features are read from {d.features})"
         regeneration = "the target's features read from data.features"
-    elif d.regenerate:
+    elif regenerated:
         root = Path(d.cache_dir) if d.cache_dir else cache_root()
         identity = target_identity(d, config.target)  # as the run keys its cache (a server is asked what it serves)
         cached = [_cached(r, _regenerated_file(d, root, config.target, part, identity.fingerprint), turns)
@@ -144,6 +145,9 @@ def phases(config: TrainConfig) -> dict[str, Any]:
         regeneration = (f"regeneration: all {asked:,} prompts cached, none generated" if not left else
                         f"regeneration: {left:,} of {asked:,} prompts to generate"
                         + (f", {asked - left:,} cached" if left < asked else ", none cached"))
+    elif d.regenerate:
+        out["phase_regeneration"] = "off (token rows: trained as given, data.regenerate does not apply)"
+        regeneration = "no regeneration: the token rows as given"
     else:
         out["phase_regeneration"] = "off (data.regenerate=false: the data's own replies)"
         regeneration = "no regeneration: the data's own replies"

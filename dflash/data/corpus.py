@@ -5,7 +5,8 @@
 
 The held-out split is by a hash of each conversation's id, so it does not move when `limit`
 changes or the source is reordered. Held-out prompts are regenerated too: held-out tau must be
-measured on the distribution the draft will serve (the target's replies).
+measured on the distribution the draft will serve (the target's replies). Token rows
+(`dflash.data.rows`) take the same split and are trained as given: never regenerated.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dflash.config import DataSettings
 from dflash.data.feature_data import FeatureDataset, read_split_record, run_feature_parts
 from dflash.data.regenerate import cache_writer, prompt_id, prompt_turns, regenerate
 from dflash.data.repliers import TargetIdentity, make_replier, target_identity
+from dflash.data.rows import first_prompt, is_token_row, last_turn_prompt, token_prompt_id
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import build_dataset, check_token_absent
+from dflash.data.tool_calls import uses_tools
 from dflash.embedded import cache_root, cache_slug, chitchat_conversations
 from dflash.engines import Replier
 from dflash.runtime import resolve_device, resolve_dtype
@@ -38,7 +41,9 @@ class Corpus:
     train: Any  # datasets.Dataset with input_ids, loss_mask
     eval: Any | None
     description: dict[str, Any]
-    held_out_conversations: list[dict[str, Any]]  # their first user turns are speculative-eval prompts
+    # The speculative evaluation's prompts (`speculative_entries`): conversations (their first user turns) or
+    # {"id", "prompt_ids"} of held-out token rows
+    held_out_conversations: list[dict[str, Any]]
     held_out_split: dict[str, Any] | None = None  # the settings that chose them (`DataSettings.held_out_split`)
 
 
@@ -48,8 +53,23 @@ def _stable_key(conv_id: str) -> str:
 
 def first_prompt_id(conversation: dict[str, Any]) -> str:
     """`prompt_id` of a conversation's first user turn (with a leading system turn): the speculative
-    evaluation's prompt for a held-out conversation."""
+    evaluation's prompt for a held-out conversation. A token row's: the hash of its ids before its first
+    supervised token (`rows.token_prompt_id`)."""
+    if is_token_row(conversation):
+        return token_prompt_id(first_prompt(conversation))
     return prompt_id(prompt_turns(conversation["messages"], 1))
+
+
+def _has_prompt(row: dict[str, Any]) -> bool:
+    """Whether a row opens with a prompt: a conversation's user turn, a token row's unsupervised ids."""
+    return bool(first_prompt(row)) if is_token_row(row) else any(m["role"] == "user" for m in row["messages"])
+
+
+def speculative_entries(held_out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the speculative evaluation decodes of held-out rows (`evaluation.evaluate.prompt_ids`): a conversation
+    as it is (its first user turn is rendered), a token row as ``{"id", "prompt_ids"}``, the ids before its last
+    run of supervised tokens (`rows.last_turn_prompt`: a multi-turn row's whole history before its last reply)."""
+    return [{"id": row["id"], "prompt_ids": last_turn_prompt(row)} if is_token_row(row) else row for row in held_out]
 
 
 def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
@@ -63,7 +83,7 @@ def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple
     order = sorted(range(len(conversations)), key=lambda i: _stable_key(str(conversations[i].get("id", i))))
     held = set(order[: min(eval_size, max(0, len(conversations) - 1))])
     held_out = [c for i, c in enumerate(conversations) if i in held]
-    prompts = {first_prompt_id(c) for c in held_out if any(m["role"] == "user" for m in c["messages"])}
+    prompts = {first_prompt_id(c) for c in held_out if _has_prompt(c)}
     train = [c for i, c in enumerate(conversations) if i not in held and first_prompt_id(c) not in prompts]
     dropped = len(conversations) - len(held_out) - len(train)
     if dropped:
@@ -76,11 +96,13 @@ def split_held_out(conversations: list[dict[str, Any]], eval_size: int) -> tuple
 
 
 def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
+    """`rows` (conversations with their tools, or token rows) as a JSONL file `load_conversations` reads back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps({"id": row.get("id"), "messages": row["messages"]}, ensure_ascii=False) + "\n")
+            fields = {k: row[k] for k in ("messages", "tools", "input_ids", "loss_mask") if k in row}
+            f.write(json.dumps({"id": row.get("id"), **fields}, ensure_ascii=False) + "\n")
     tmp.replace(path)
     return path
 
@@ -105,8 +127,27 @@ def split_conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], l
 
 def held_out_conversations(split: dict[str, Any]) -> list[dict[str, Any]]:
     """The held-out conversations of a recorded split (`DataSettings.held_out_split`), in the order a run's
-    speculative evaluation takes its prompts from them (the first `spec_eval_prompts`)."""
-    return split_conversations(DataSettings(**split))[1]
+    speculative evaluation takes its prompts from them (the first `spec_eval_prompts`), as `Corpus` holds them
+    (`speculative_entries`)."""
+    return speculative_entries(split_conversations(DataSettings(**split))[1])
+
+
+TOOL_REGENERATION = ("conversations with tool calls are regenerated whole (data.regenerate_turns=all); set "
+                     "data.regenerate=false to train their recorded assistant turns")
+
+
+def check_tool_regeneration(settings: DataSettings, rows: list[dict[str, Any]]) -> None:
+    """Refuse regenerating conversations that use tools: regeneration keeps the user turns and asks the target
+    again, which would drop the calls, their results and the tools list (ValueError, `TOOL_REGENERATION`)."""
+    if settings.regenerate and any(uses_tools(row) for row in rows if not is_token_row(row)):
+        raise ValueError(TOOL_REGENERATION)
+
+
+def regenerates(settings: DataSettings, rows: list[dict[str, Any]]) -> bool:
+    """Whether the target answers `rows`' prompts: `data.regenerate`, except for token rows (trained as given);
+    conversations with tool calls under it are refused (`check_tool_regeneration`)."""
+    check_tool_regeneration(settings, rows)
+    return settings.regenerate and not (rows and is_token_row(rows[0]))  # one shape per source
 
 
 def _regenerate_turns(settings: DataSettings, part: str) -> int:
@@ -175,6 +216,9 @@ def regenerate_source(config: Any) -> Any:
         tokenizer = load_tokenizer(config.target)
     root = Path(settings.cache_dir) if settings.cache_dir else cache_root()
     train, held, _, _ = split_conversations(settings)
+    if not regenerates(replace(settings, regenerate=True), train + held):
+        raise ValueError(f"data.source={settings.source} holds token rows (input_ids + loss_mask): they are trained as "
+                         "given, there is nothing to regenerate")
     replier = make_replier(settings, config.target, tokenizer, identity, model=model, device=device, dtype=dtype)
     try:
         return _regenerate_part(_training_rows(train, held, settings), settings, root, replier, tokenizer, config.target,
@@ -234,9 +278,13 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
     train, held, used, total = split_conversations(settings)
     paths: dict[str, Path] = {}
     dropped: dict[str, int] = {}
+    regenerated = regenerates(settings, train + held)
+    if settings.regenerate and not regenerated:
+        log.warning("data.source=%s holds token rows (input_ids + loss_mask): they are trained as given, "
+                    "data.regenerate does not apply to them", settings.source)
     # Once for both parts: the identity reads the weight files (or asks the server), and an engine started for the
     # training prompts answers the held-out ones too. A vLLM engine starts only if a prompt is not cached.
-    identity = _identity(settings, target_name) if settings.regenerate else None
+    identity = _identity(settings, target_name) if regenerated else None
     replier = make_replier(settings, target_name, tokenizer, identity, model=target_model) if identity else None
     try:
         for name, rows in {"train": train, "eval": held}.items():
@@ -261,14 +309,15 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         "conversations_used": used,
         "train_conversations": len(train),
         "held_out_conversations": len(held),
-        "regenerated": settings.regenerate,
+        "regenerated": regenerated,
         "train_rows": len(datasets["train"]),
         "cached_rows_not_asked_for": dropped,
         "eval_rows": len(datasets["eval"]) if "eval" in datasets else 0,
         "files": {k: str(v) for k, v in paths.items()},
     }
     log.info("corpus: %s", description)
-    return Corpus(datasets["train"], datasets.get("eval"), description, held, settings.held_out_split() if held else None)
+    return Corpus(datasets["train"], datasets.get("eval"), description, speculative_entries(held),
+                  settings.held_out_split() if held else None)
 
 
 def feature_corpus(root: str) -> Corpus:

@@ -33,7 +33,7 @@ from filelock import FileLock, Timeout
 from transformers import GenerationConfig
 
 from dflash.data.reply_cache import complete_lines, described, read_cache, set_aside
-from dflash.engines import Replier, Reply
+from dflash.engines import ReplayMismatch, Replier, Reply
 from dflash.report.console import ProgressBar
 from dflash.target_model.loading import load_target_config, target_location
 
@@ -85,7 +85,7 @@ def prompt_id(prompt: Sequence[Mapping[str, str]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _answered(path: Path, target: str, result: RegenerateResult | None = None) -> set[str]:
+def answered_prompt_ids(path: Path, target: str, result: RegenerateResult | None = None) -> set[str]:
     """prompt_ids already in ``path``. A partial last row left by an interrupted run is cut off the file; a
     damaged row (`damage_of`) is moved to ``<path>.damaged``, counted in ``result.damaged`` and logged,
     and its prompt is asked again: the cache is regenerated rather than the run ended on it."""
@@ -195,9 +195,11 @@ def _generate(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_
         pad_token_id=pad,
     )
     replies = []
-    for row in out[:, width:].tolist():
+    for ids, row in zip(prompts, out[:, width:].tolist(), strict=True):
         end = next((i for i, t in enumerate(row) if t in eos), None)
-        replies.append((tokenizer.decode(row[:end], skip_special_tokens=False), end is not None))
+        kept = row if end is None else row[:end + 1]  # through the stop token
+        replies.append(Reply(tokenizer.decode(row[:end], skip_special_tokens=False), end is not None, tuple(kept),
+                             tuple(ids)))
     return replies
 
 
@@ -218,6 +220,21 @@ class TransformersReplier:
         """Nothing to free: the model is the run's."""
 
 
+def check_replay(sent: Sequence[int], reply: Reply, where: str) -> None:
+    """Raise `ReplayMismatch` when the engine reports having run other prompt ids than `sent` (exact replay): its
+    tokenizer or template changed the prompt (a BOS added, a special token split), so its reply continues another
+    text than the row would hold. An engine that does not report its prompt is not checked."""
+    ran = reply.prompt_token_ids
+    if ran is None or list(ran) == list(sent):
+        return
+    at = next((i for i, (a, b) in enumerate(zip(sent, ran, strict=False)) if a != b), min(len(sent), len(ran)))
+    raise ReplayMismatch(
+        f"exact replay failed for {where}: the engine ran a prompt of {len(ran)} token ids where {len(sent)} were sent, "
+        f"first different at position {at} (sent {list(sent[at:at + 4])}, ran {list(ran[at:at + 4])}): it tokenized or "
+        "templated the prompt itself. Serve the target with the run's tokenizer and no added special tokens (token-id "
+        "prompts on /completions), or regenerate with data.regenerate_engine=transformers or vllm")
+
+
 def _answer(chats: list[_Chat], replier: Replier, tokenizer: Any, max_new_tokens: int, max_prompt_tokens: int) -> None:
     """Answer every chat's user turns in sequence, batching the chats still going at each round."""
     while active := [c for c in chats if c.todo and not c.stop_reason]:
@@ -232,12 +249,13 @@ def _answer(chats: list[_Chat], replier: Replier, tokenizer: Any, max_new_tokens
         if not asking:
             continue
         replies = replier.reply(prompts, max_new_tokens)
-        for chat, (reply, finished) in zip(asking, replies, strict=True):
-            if not reply.strip():
+        for chat, ids, reply in zip(asking, prompts, replies, strict=True):
+            check_replay(ids, reply, chat.source_id)
+            if not reply.text.strip():
                 chat.stop_reason = "empty reply"
                 continue
-            chat.messages += [chat.todo.pop(0), {"role": "assistant", "content": reply}]
-            if not finished:
+            chat.messages += [chat.todo.pop(0), {"role": "assistant", "content": reply.text}]
+            if not reply.finished:
                 # Later turns would answer a cut-off reply: end the conversation, mark the row.
                 chat.truncated = True
                 chat.stop_reason = "reply hit max_new_tokens"
@@ -329,7 +347,7 @@ def regenerate(
     name = target_name or getattr(target, "name_or_path", "") or type(target).__name__
     result = RegenerateResult(path)
     with cache_writer(path):  # one writer: a second process waits, then reuses these rows
-        answered = _answered(path, name, result)
+        answered = answered_prompt_ids(path, name, result)
         known = _earlier_replies(Path(earlier), name) if earlier and Path(earlier).exists() else {}
         seen: set[str] = set()
         queued: list[tuple[int, _Chat]] = []  # (prompt tokens, chat)

@@ -1,7 +1,8 @@
 """The regeneration cache's lines (`dflash.data.regenerate` writes them): whole rows, damaged lines, and the
 repair that moves damaged lines aside so that their prompts are asked again.
 
-A cache line is one JSON row ``{"messages", "prompt_id", "target", "source_id", "truncated"}``. A line whose bytes
+A cache line is one JSON row ``{"messages", "prompt_id", "target", "source_id", "truncated"}`` (a whole
+conversation's: ``{"input_ids", "loss_mask", "prompt_id", "target", ...}``, `dflash.data.conversations`). A line whose bytes
 are not UTF-8 or not JSON (a disk or copy fault, a hand edit), or a row without the fields every written row has,
 is damaged. Such a line once ended the run in one word, ``error: utf-8`` or ``error: prompt_id`` (the exception's
 first argument). The choice: a damaged row is counted, moved to ``<file>.damaged`` (appended, so a user may look
@@ -30,14 +31,24 @@ def damage_of(line: bytes) -> tuple[dict[str, Any] | None, str]:
         return None, f"not JSON ({e.msg})"
     if not isinstance(row, dict):
         return None, "not a JSON object"
-    missing = [key for key in ("messages", "prompt_id", "target") if key not in row]
+    tokens = "input_ids" in row  # a whole conversation's token row (`dflash.data.conversations`)
+    missing = [key for key in ("input_ids", "loss_mask") if tokens and key not in row]
+    missing += [key for key in ((() if tokens else ("messages",)) + ("prompt_id", "target")) if key not in row]
     if missing:
         return None, f"no {', '.join(missing)}"
+    if not isinstance(row["prompt_id"], str):
+        return None, "prompt_id of the wrong type"
+    if tokens:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask)
+                and all(isinstance(t, int) for t in ids) and all(m in (0, 1) for m in mask)):
+            return None, "input_ids or loss_mask of the wrong type or length"
+        return row, ""
     messages = row["messages"]
-    if not isinstance(row["prompt_id"], str) or not isinstance(messages, list) or not all(
+    if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
-        return None, "prompt_id or messages of the wrong type"
+        return None, "messages of the wrong type"
     return row, ""
 
 

@@ -1,8 +1,12 @@
-"""Source formats: files, folders, saved datasets, hub datasets and in-memory rows -> normalized conversations.
+"""Source formats: files, folders, saved datasets, hub datasets and in-memory rows -> normalized conversations
+or token rows.
 
-A conversation is ``{"id": str, "messages": [{"role", "content"}, ...]}`` with the roles system /
-user / assistant. Loading is strict at start (an empty or unreadable file is an error naming it)
-and forgiving per row (a bad row is counted, skipped and reported with the first place it
+A conversation is ``{"id": str, "messages": [{"role", "content"}, ...], "tools"?: [schema, ...]}`` with the roles
+system / user / assistant / tool; an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` / ``name``
+are kept as given (`dflash.data.tool_calls`). A source of pre-tokenized rows gives token rows instead,
+``{"id": str, "input_ids": list[int], "loss_mask": list[int]}`` (`dflash.data.rows`), trained as given: one
+shape per source, decided by its first usable row. Loading is strict at start (an empty or unreadable file is
+an error naming it) and forgiving per row (a bad row is counted, skipped and reported with the first place it
 occurred), so bad data never surfaces as a crash deep into training.
 """
 
@@ -19,14 +23,17 @@ from typing import Any, NamedTuple
 import datasets
 import pyarrow.parquet as pq
 
+from dflash.data.rows import BadRow, is_token_row, mixed_shape, token_row
+from dflash.data.tool_calls import row_tools, tool_fields
 from dflash.embedded import chitchat_conversations
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"} and, on tool turns, their keys as given (`tool_calls.tool_fields`)
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 _ROLES = ("system", "user", "assistant")
-# ShareGPT speaker names; OpenAI-style ``messages`` must use the three roles above.
+_MESSAGE_ROLES = (*_ROLES, "tool")  # OpenAI-style ``messages``: a tool's result has its own role
+# ShareGPT speaker names; OpenAI-style ``messages`` must use the roles above.
 _SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -52,7 +59,8 @@ class DataReport:
 
     source: str
     rows_read: int = 0
-    conversations: int = 0
+    conversations: int = 0  # the usable rows: conversations, or token rows when `shape` says so
+    shape: str = "conversations"
     skipped: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, str] = field(default_factory=dict)
     # Set by dflash.data.tokenization.build_dataset:
@@ -68,7 +76,7 @@ class DataReport:
 
     def summary(self) -> str:
         """One human-readable line, naming the first bad row of each reason."""
-        text = f"{self.source}: {self.conversations} conversations from {self.rows_read} rows"
+        text = f"{self.source}: {self.conversations} {self.shape} from {self.rows_read} rows"
         if self.skipped:
             parts = [f"{n} {reason} (first: {self.first_bad[reason]})" for reason, n in self.skipped.items()]
             text += f"; skipped {sum(self.skipped.values())}: " + ", ".join(parts)
@@ -101,17 +109,9 @@ def dataset_report(dataset: Any) -> DataReport:
 # --------------------------------------------------------------------------- loading
 
 
-class BadRow(ValueError):
-    """A row that cannot become a conversation; ``reason`` is the category it is counted under."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
-
-
 class LoadedConversations(NamedTuple):
-    """``rows``: ``[{"id": str, "messages": [{"role", "content"}, ...]}]``; ``report``: the counts."""
+    """``rows``: ``[{"id": str, "messages": [{"role", "content"}, ...], "tools"?: [...]}]``, or token rows
+    ``[{"id": str, "input_ids": list[int], "loss_mask": list[int]}]``; ``report``: the counts."""
 
     rows: list[dict[str, Any]]
     report: DataReport
@@ -126,44 +126,51 @@ def _content_text(content: Any) -> str:
     raise BadRow("non-text content", type(content).__name__)
 
 
-def _message(role: Any, content: Any, roles: Mapping[str, str]) -> Message:
-    """One validated message; raises :class:`BadRow`."""
+def _role(role: Any, roles: Mapping[str, str]) -> str:
+    """The normalized name of a message's role; raises :class:`BadRow`."""
     if not isinstance(role, str) or not role:
         raise BadRow("missing role")
     if role.lower() not in roles:
         raise BadRow("unknown role", repr(role))
-    if content is None:
+    return roles[role.lower()]
+
+
+def _message(m: Mapping[str, Any], roles: Mapping[str, str], before: list[Message], openai: bool) -> Message:
+    """One validated message (`before`: the conversation's messages so far); raises :class:`BadRow`. In OpenAI-style
+    ``messages`` (`openai`) its tool keys come along (`tool_fields`), and an assistant's tool calls may stand
+    without text."""
+    role = _role(m.get("role", m.get("from")), roles)
+    extra = tool_fields(m, role, before) if openai else {}
+    content = m.get("content", m.get("value"))
+    text = "" if content is None else _content_text(content)
+    if not text.strip() and "tool_calls" not in extra:
         raise BadRow("empty content")
-    text = _content_text(content)
-    if not text.strip():
-        raise BadRow("empty content")
-    return {"role": roles[role.lower()], "content": text}
+    return {"role": role, "content": text, **extra}
 
 
 def normalize_row(row: Any, *, require_assistant: bool = True) -> list[Message]:
     """Messages of one dataset row, in any supported shape; raises :class:`BadRow`.
 
-    Shapes: OpenAI ``messages`` [{role, content}]; ShareGPT ``conversations`` [{from, value}];
-    ``prompt``/``response`` or ``instruction`` (+ ``input``)/``output`` pairs, with an optional
-    ``system`` field. Trailing turns after the last assistant reply carry no supervision and are
-    dropped. With ``require_assistant=False`` (prompts for regeneration) a user turn suffices.
+    Shapes: OpenAI ``messages`` [{role, content}] (with tool calls and tool results, `dflash.data.tool_calls`);
+    ShareGPT ``conversations`` [{from, value}]; ``prompt``/``response`` or ``instruction`` (+ ``input``)/``output``
+    pairs, with an optional ``system`` field. Trailing turns after the last assistant reply carry no supervision
+    and are dropped. With ``require_assistant=False`` (prompts for regeneration) a user turn suffices.
     """
     if not isinstance(row, Mapping):
         raise BadRow("not a JSON object", type(row).__name__)
     if row.get("messages") is not None:
-        raw, roles = row["messages"], dict(zip(_ROLES, _ROLES, strict=True))
+        raw, roles = row["messages"], dict(zip(_MESSAGE_ROLES, _MESSAGE_ROLES, strict=True))
     elif row.get("conversations") is not None:
         raw, roles = row["conversations"], _SHAREGPT_ROLES
     else:
         raw, roles = _pair_messages(row), dict(zip(_ROLES, _ROLES, strict=True))
     if not isinstance(raw, list) or not raw:
         raise BadRow("empty conversation")
-    messages = []
+    messages: list[Message] = []
     for m in raw:
         if not isinstance(m, Mapping):
             raise BadRow("message is not an object", type(m).__name__)
-        role = m.get("role", m.get("from"))
-        messages.append(_message(role, m.get("content", m.get("value")), roles))
+        messages.append(_message(m, roles, messages, openai=row.get("messages") is not None))
     last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     if require_assistant:
         if last_assistant < 0:
@@ -350,24 +357,40 @@ def load_conversations(
     ``source``: a JSON / JSONL / Parquet file, a folder of them (recursively, sorted), a
     ``datasets`` hub name (``split`` applies only there), ``"chitchat"``, or an in-memory
     ``datasets.Dataset`` / list of rows. Fails when nothing usable is left, naming the source;
-    otherwise bad rows are counted in the report (logged as a warning) and skipped.
+    otherwise bad rows are counted in the report (logged as a warning) and skipped. A source of
+    token rows (``input_ids`` + ``loss_mask``, `dflash.data.rows`) gives token rows; the first usable
+    row decides the shape, and rows of the other shape are counted as bad (mixed shapes).
     """
     report = DataReport(source=_source_name(source))
     rows = []
+    first = None  # where the first usable row was: it decided the source's shape (`report.shape`)
     for where, raw in _source_rows(source, split, report):
         report.rows_read += 1
+        tokens = is_token_row(raw)
         try:
-            messages = normalize_row(raw, require_assistant=require_assistant)
+            if first is not None and tokens != (report.shape == "token rows"):
+                raise mixed_shape(report.shape, first)
+            row = token_row(raw) if tokens else _conversation(raw, require_assistant)
         except BadRow as e:
             report.skip(e.reason, where, e.detail)
             continue
+        if first is None:
+            first, report.shape = where, "token rows" if tokens else "conversations"
         row_id = next((raw[k] for k in _ID_KEYS if isinstance(raw.get(k), (str, int))), where)
-        rows.append({"id": str(row_id), "messages": messages})
+        rows.append({"id": str(row_id), **row})
     report.conversations = len(rows)
     if not rows:
         raise ValueError(f"no usable conversations in {report.summary()}")
     (logger.warning if report.skipped else logger.info)("loaded %s", report.summary())
     return LoadedConversations(rows, report)
+
+
+def _conversation(raw: Any, require_assistant: bool) -> dict[str, Any]:
+    """``{"messages": [...], "tools"?: [...]}`` of a raw conversation row (`normalize_row`, `row_tools`); raises
+    :class:`BadRow`."""
+    messages = normalize_row(raw, require_assistant=require_assistant)
+    tools = row_tools(raw)
+    return {"messages": messages, **({"tools": tools} if tools else {})}
 
 
 def _source_name(source: Any) -> str:

@@ -2,7 +2,9 @@
 
 A training row is ``{"input_ids": list[int], "loss_mask": list[int]}`` of one rendered
 conversation: ``loss_mask`` is 1 exactly on the tokens of assistant replies (end-of-turn token
-included), the positions a draft learns to predict. :func:`build_dataset` tokenizes a source once
+included; an assistant's tool calls as the template renders them), the positions a draft learns to
+predict; tool results, user and system turns are context. A source of token rows (`dflash.data.rows`)
+gives its rows as they are, cut to ``max_length``. :func:`build_dataset` tokenizes a source once
 and keeps the result on disk, keyed by the source's content, the tokenizer and ``max_length``.
 """
 
@@ -28,28 +30,32 @@ from typing import Any
 import datasets
 
 from dflash.anchors import has_valid_anchor
-from dflash.data.sources import Message, dataset_report, load_conversations, local_files
+from dflash.data.rows import OUTSIDE_VOCABULARY, TOO_SHORT, is_token_row
+from dflash.data.sources import DataReport, Message, dataset_report, load_conversations, local_files
+from dflash.data.tool_calls import check_tool_template
 from dflash.embedded import cache_root, cache_slug, chitchat_path
 from dflash.report.console import quiet_datasets
 
 logger = logging.getLogger(__name__)
 
 # Bump when the tokenization or the cached layout changes: old caches then stop matching.
-_CACHE_VERSION = 1  # unchanged by the character cut: it leaves the first max_length tokens as they were
+# 2: tool calls and tool results are conversations, and token rows a source (both were bad rows in version 1).
+_CACHE_VERSION = 2
+Tools = list[dict[str, Any]] | None  # a conversation's tool schemas, passed to the chat template
 
 
 # --------------------------------------------------------------------------- tokenizing
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False) -> str:
-    """The chat template's text for ``messages``."""
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False, tools: Tools = None) -> str:
+    """The chat template's text for ``messages`` (with the conversation's ``tools``, when it has them)."""
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
     )
 
 
 def _assistant_spans(
-    messages: Sequence[Message], tokenizer: Any, full: str, max_chars: int
+    messages: Sequence[Message], tokenizer: Any, full: str, max_chars: int, tools: Tools = None
 ) -> tuple[list[tuple[int, int]], int]:
     """Character spans in ``full`` (the rendered conversation) of the assistant replies that start
     before ``max_chars``, and the number of replies that could not be located.
@@ -61,7 +67,9 @@ def _assistant_spans(
     whose rendering of a prefix is a prefix of the full rendering. A reply where that fails (a
     template that renders the last reply differently, e.g. with an empty think block, or refuses
     the prefix) is left unsupervised and counted, never guessed. Each look renders a prefix, so
-    replies past ``max_chars`` (cut by truncation) are not looked for: long chats stay linear.
+    replies past ``max_chars`` (cut by truncation) are not looked for: long chats stay linear. An
+    assistant's tool calls are part of its reply (the markup the template renders between the two);
+    a tool result, like a user turn, falls between replies and stays unsupervised.
     """
     spans: list[tuple[int, int]] = []
     unlocated = 0
@@ -69,8 +77,8 @@ def _assistant_spans(
         if message["role"] != "assistant":
             continue
         try:
-            before = _render(tokenizer, messages[:k], generation_prompt=True)
-            through = _render(tokenizer, messages[: k + 1])
+            before = _render(tokenizer, messages[:k], generation_prompt=True, tools=tools)
+            through = _render(tokenizer, messages[: k + 1], tools=tools)
         except Exception:
             unlocated += 1
             continue
@@ -105,7 +113,7 @@ def cut_messages(messages: Sequence[Message], max_chars: int) -> list[Message]:
 
 
 def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_length: int,
-                          max_chars: int | None = None) -> dict[str, Any]:
+                          max_chars: int | None = None, tools: Tools = None) -> dict[str, Any]:
     """Token ids of the chat-rendered conversation and its loss mask, both of length <= max_length.
 
     Returns ``{"input_ids": list[int], "loss_mask": list[int], "unlocated_turns": int,
@@ -114,19 +122,20 @@ def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_lengt
     exactly what ``apply_chat_template(tokenize=True)`` produces; a token merged across the
     template/reply boundary is still placed, where diffing prefix tokenizations would disagree with
     the full one. Needs a fast tokenizer (offset mapping). Content past ``max_chars`` (default
-    :func:`char_budget`) is cut first: it cannot reach the first ``max_length`` tokens.
+    :func:`char_budget`) is cut first: it cannot reach the first ``max_length`` tokens. ``tools``: the
+    conversation's tool schemas, rendered by the template wherever it puts them.
     """
     budget = char_budget(tokenizer, max_length) if max_chars is None else max_chars
     cut = sum(len(m["content"]) for m in messages) > budget
     messages = cut_messages(messages, budget) if cut else messages
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, tools=tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])[:max_length]
     offsets = encoded["offset_mapping"]
     truncated = len(offsets) > max_length or cut
     # Characters from the first token cut by truncation on are never supervised.
     max_chars = offsets[max_length][0] if truncated else len(text) + 1
-    spans, unlocated = _assistant_spans(messages, tokenizer, text, max_chars)
+    spans, unlocated = _assistant_spans(messages, tokenizer, text, max_chars, tools)
     loss_mask = [0] * len(input_ids)
     span_index = 0
     for i, (start, end) in enumerate(offsets[:max_length]):
@@ -143,28 +152,30 @@ def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_lengt
     }
 
 
-_TOO_SHORT = "no two consecutive supervised tokens"
 # Chat templates render in Python, row by row: from this many rows on, worker processes pay for their
 # start-up and all cores are used.
 _PARALLEL_ROWS = 2000
 
 
 def _tokenize_batch(batch: dict[str, list[Any]], tokenizer: Any, max_length: int) -> dict[str, list[Any]]:
-    """``datasets.map`` function: messages -> input_ids, loss_mask and per-row bookkeeping.
+    """``datasets.map`` function: conversations (JSON text of ``{"messages", "tools"?}``) -> input_ids, loss_mask
+    and per-row bookkeeping.
 
     ``problem`` is "" for a usable row, else the reason it is dropped (counted by the caller).
     """
     columns = ("input_ids", "loss_mask", "problem", "unlocated", "truncated")
     out: dict[str, list[Any]] = {k: [] for k in columns}
     max_chars = char_budget(tokenizer, max_length)  # once per batch: it reads the whole vocabulary
-    for messages in batch["messages"]:
+    for text in batch["conversation"]:
+        conversation = json.loads(text)
         try:
-            row = tokenize_conversation(messages, tokenizer, max_length, max_chars)
+            row = tokenize_conversation(conversation["messages"], tokenizer, max_length, max_chars,
+                                        conversation.get("tools"))
         except Exception as e:  # the template refuses this conversation (e.g. roles out of order)
             row = {"input_ids": [], "loss_mask": [], "unlocated_turns": 0, "truncated": False}
             problem = f"chat template error: {type(e).__name__}: {e}"
         else:
-            problem = "" if has_valid_anchor(row["loss_mask"]) else _TOO_SHORT
+            problem = "" if has_valid_anchor(row["loss_mask"]) else TOO_SHORT
         out["input_ids"].append(row["input_ids"])
         out["loss_mask"].append(row["loss_mask"])
         out["problem"].append(problem)
@@ -210,7 +221,7 @@ def _start_worker(parent: int, raw: Any, fn_kwargs: dict[str, Any], features: An
 def _tokenize_shard(index: int, num_shards: int, path: str) -> None:
     """Worker: tokenize contiguous shard `index` of `num_shards` of the rows into the Arrow file `path`."""
     shard = _WORKER["raw"].shard(num_shards, index, contiguous=True)
-    shard.map(_tokenize_batch, batched=True, remove_columns=["messages"], fn_kwargs=_WORKER["fn_kwargs"],
+    shard.map(_tokenize_batch, batched=True, remove_columns=["conversation"], fn_kwargs=_WORKER["fn_kwargs"],
               features=_WORKER["features"], cache_file_name=path)
 
 
@@ -282,14 +293,16 @@ def build_dataset(
     cache_dir: str | os.PathLike[str] | None = None,
     num_proc: int | None = None,
 ) -> Any:
-    """Tokenized training rows (``datasets.Dataset`` with columns input_ids, loss_mask), cached.
+    """Tokenized training rows (``datasets.Dataset`` with columns input_ids int32, loss_mask int8), cached.
 
     The first call loads and normalizes ``source`` (:func:`load_conversations`), tokenizes it with
     ``datasets.map`` (``num_proc=None``: all cores, up to 16, for large sources) and saves it to
     :func:`dataset_cache_dir` (under ``cache_dir`` or ``<cache_root>/datasets``) through a temporary
     folder renamed when complete. Later calls with the same source content, tokenizer and
     max_length memory-map the saved copy. The :class:`DataReport` is logged and kept in
-    ``dataset.info.description`` (see :func:`dataset_report`).
+    ``dataset.info.description`` (see :func:`dataset_report`). Token rows are taken as given
+    (:func:`_token_columns`). A chat template that cannot render the source's tool calls is refused
+    before any row is tokenized (`tool_calls.check_tool_template`).
     """
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("build_dataset needs a fast tokenizer (offset mapping) to place the loss mask")
@@ -301,10 +314,6 @@ def build_dataset(
         return dataset
 
     conversations, report = load_conversations(source, split)
-    raw = datasets.Dataset.from_dict({"messages": [row["messages"] for row in conversations]})
-    if num_proc is None and len(raw) >= _PARALLEL_ROWS:
-        num_proc = min(os.cpu_count() or 1, 16)
-    num_proc = min(num_proc or 1, len(raw))
     features = datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
@@ -314,21 +323,51 @@ def build_dataset(
             "truncated": datasets.Value("bool"),
         }
     )
-    fn_kwargs = {"tokenizer": tokenizer, "max_length": max_length}
     folder.parent.mkdir(parents=True, exist_ok=True)
+    if is_token_row(conversations[0]):  # one shape per source (`load_conversations`)
+        rows = _token_columns(conversations, len(tokenizer), max_length)
+        return _keep_usable(datasets.Dataset.from_dict(rows, features=features), conversations, report, folder)
+    check_tool_template(tokenizer, conversations)
+    # JSON text, not Arrow structs: Arrow would give every message every key of every other (a user turn
+    # `tool_calls: None`, which templates test with `is defined`) and cannot hold arguments both as text and object.
+    raw = datasets.Dataset.from_dict({"conversation": [json.dumps({k: row[k] for k in ("messages", "tools") if k in row})
+                                                       for row in conversations]})
+    if num_proc is None and len(raw) >= _PARALLEL_ROWS:
+        num_proc = min(os.cpu_count() or 1, 16)
+    num_proc = min(num_proc or 1, len(raw))
+    fn_kwargs = {"tokenizer": tokenizer, "max_length": max_length}
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-map-", dir=folder.parent))  # the workers' shards
     try:
         if num_proc > 1:
             tokenized = _parallel_map(raw, fn_kwargs, features, num_proc, scratch)
         else:
-            tokenized = raw.map(_tokenize_batch, batched=True, remove_columns=["messages"], fn_kwargs=fn_kwargs,
+            tokenized = raw.map(_tokenize_batch, batched=True, remove_columns=["conversation"], fn_kwargs=fn_kwargs,
                                 features=features, desc="tokenizing")
         return _keep_usable(tokenized, conversations, report, folder)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _keep_usable(tokenized: Any, conversations: list[dict[str, Any]], report: Any, folder: Path) -> Any:
+def _token_columns(rows: list[dict[str, Any]], vocab_size: int, max_length: int) -> dict[str, list[Any]]:
+    """The columns `_tokenize_batch` gives, for token rows (`dflash.data.rows`, checked there): each row as given,
+    cut to `max_length`. ``problem`` names a row holding an id at or past `vocab_size` (``len(tokenizer)``: tokens
+    of another tokenizer) or one whose cut leaves no two consecutive supervised tokens; such a row keeps no ids."""
+    out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "loss_mask", "problem", "unlocated", "truncated")}
+    for row in rows:
+        ids, mask = row["input_ids"][:max_length], row["loss_mask"][:max_length]
+        if (top := max(row["input_ids"])) >= vocab_size:
+            problem = f"{OUTSIDE_VOCABULARY}: id {top} >= {vocab_size}, the tokenizer's size (another tokenizer's ids?)"
+        else:
+            problem = "" if has_valid_anchor(mask) else TOO_SHORT
+        out["input_ids"].append([] if problem else ids)
+        out["loss_mask"].append([] if problem else mask)
+        out["problem"].append(problem)
+        out["unlocated"].append(0)
+        out["truncated"].append(len(row["input_ids"]) > max_length)
+    return out
+
+
+def _keep_usable(tokenized: Any, conversations: list[dict[str, Any]], report: DataReport, folder: Path) -> Any:
     """The usable rows of `tokenized` (each dropped one counted in `report`), saved to the cache `folder`
     through a temporary folder renamed when complete; the saved copy, memory-mapped."""
     for index, problem in enumerate(tokenized["problem"]):

@@ -9,9 +9,24 @@ only `dflash.preflight` (the missing-package error); never the data, evaluation,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
-Reply = tuple[str, bool]  # (reply text up to its end-of-turn token, finished: it ended before the budget)
+
+class Reply(NamedTuple):
+    """One greedy reply. `text`: up to its stop token (excluded); `finished`: it ended at a stop token before the
+    budget; `token_ids`: the reply's ids as generated, the stop token included when finished (None: the engine
+    gave text only); `prompt_token_ids`: the prompt as the engine ran it (None: the engine does not say), which
+    regeneration checks against what it sent (`dflash.data.regenerate.check_replay`)."""
+
+    text: str
+    finished: bool
+    token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+
+
+class ReplayMismatch(ValueError):
+    """An engine ran other token ids than dflash sent (its tokenizer or template added, dropped or changed tokens):
+    the reply would continue another prompt than the row holds, so regeneration stops instead of shifting."""
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dflash.engines import Reply
+from dflash.engines.vllm_engine import cut_at_stop
 from dflash.preflight import ENGINE_PACKAGES, MissingDependencyError
 
 log = logging.getLogger(__name__)
@@ -92,12 +93,22 @@ class ServerReplier:
 
     def _one(self, prompt: Sequence[int], max_new_tokens: int) -> Reply:
         # temperature 0 is greedy on every server; the extra fields keep the stop tokens and special tokens as
-        # dflash's own decoding does (vLLM and SGLang read them).
+        # dflash's own decoding does (vLLM and SGLang read them), and ask for the token ids of the prompt as the
+        # server ran it and of the reply (vLLM's `return_token_ids`): the prompt is checked against what was sent,
+        # and a conversation's row is built from the reply's own ids.
         response = self.client.completions.create(
             model=self.model, prompt=list(prompt), max_tokens=max_new_tokens, temperature=0.0,
-            extra_body={"stop_token_ids": self.stop, "skip_special_tokens": False})
+            extra_body={"stop_token_ids": self.stop, "skip_special_tokens": False, "return_token_ids": True})
         choice = response.choices[0]
-        return choice.text, choice.finish_reason != "length"
+        finished = choice.finish_reason != "length"
+        prompt_ids, reply_ids = getattr(choice, "prompt_token_ids", None), getattr(choice, "token_ids", None)
+        if reply_ids is not None:
+            ids, stopped = cut_at_stop(reply_ids, self.stop)
+            reply_ids = tuple(reply_ids[:len(ids) + 1] if stopped else ids)
+            if finished and not stopped:  # the server left the stop token out of the ids: its reason names it
+                reason = getattr(choice, "stop_reason", None)
+                reply_ids = (*reply_ids, reason) if isinstance(reason, int) else None
+        return Reply(choice.text, finished, reply_ids, None if prompt_ids is None else tuple(prompt_ids))
 
     def reply(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Reply]:
         import openai  # `_client` checked it is installed

@@ -132,8 +132,11 @@ class VLLMReplier:
         outputs = self.llm.generate(token_prompts(prompts), greedy_sampling(max_new_tokens, self.stop), use_tqdm=False)
         replies = []
         for out in outputs:
-            ids, finished = cut_at_stop(out.outputs[0].token_ids, self.stop)
-            replies.append((self.tokenizer.decode(ids, skip_special_tokens=False), finished))
+            generated = list(out.outputs[0].token_ids)
+            ids, finished = cut_at_stop(generated, self.stop)
+            kept = generated[:len(ids) + 1] if finished else ids  # through the stop token
+            replies.append(Reply(self.tokenizer.decode(ids, skip_special_tokens=False), finished, tuple(kept),
+                                 tuple(out.prompt_token_ids)))
         return replies
 
     def close(self) -> None:

@@ -1,8 +1,9 @@
 """`dflash eval`: real speculative decoding of a trained draft next to its target (a sync point by design).
 
 Prompts are the first user turn of held-out conversations (or any source `load_conversations`
-reads), rendered with the target's chat template. Every speculative output is checked against the
-target's own greedy output token for token (`LosslessError` otherwise).
+reads), rendered with the target's chat template, or the token ids given for a held-out token row
+(`corpus.speculative_entries`). Every speculative output is checked against the target's own greedy
+output token for token (`LosslessError` otherwise).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import DataSettings
-from dflash.data.corpus import held_out_conversations
+from dflash.data.corpus import held_out_conversations, speculative_entries
 from dflash.data.regenerate import prompt_turns, stop_token_ids
 from dflash.data.sources import load_conversations
 from dflash.evaluation.export import check_compatible, exported_folder, load_exported, trained_held_out_split, trained_target
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 
 def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts: int,
                max_prompt_tokens: int = 512) -> list[list[int]]:
-    """Token ids of the first user turn (plus a leading system turn) of each conversation, chat-rendered:
-    the first `num_prompts` distinct ones.
+    """Token ids of the first user turn (plus a leading system turn) of each conversation, chat-rendered (with
+    its tools list, when it has one), or the ``prompt_ids`` of an entry that gives them (a held-out token row,
+    `corpus.speculative_entries`), used as given: the first `num_prompts` distinct ones of at most
+    `max_prompt_tokens` tokens.
 
     A repeated prompt is skipped and counted: greedy decoding gives it the same output again, so it would
     only weigh τ toward itself (chat data repeats its openers). The held-out chain τ̂ scores each
@@ -44,12 +47,16 @@ def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts:
     seen: set[tuple[int, ...]] = set()
     skipped = {"no user turn": 0, "empty or too long": 0, "duplicate prompt": 0}
     for conv in conversations:
-        prompt = prompt_turns(conv["messages"], 1)  # the rule the held-out split and regeneration key prompts by
-        if not any(m["role"] == "user" for m in prompt):
-            skipped["no user turn"] += 1
-            continue
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        ids = tuple(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if "prompt_ids" in conv:
+            ids = tuple(conv["prompt_ids"])
+        else:
+            prompt = prompt_turns(conv["messages"], 1)  # the rule the held-out split and regeneration key prompts by
+            if not any(m["role"] == "user" for m in prompt):
+                skipped["no user turn"] += 1
+                continue
+            tools = {"tools": conv["tools"]} if conv.get("tools") else {}  # the serving prompt lists them too
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **tools)
+            ids = tuple(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not 0 < len(ids) <= max_prompt_tokens:
             skipped["empty or too long"] += 1
         elif ids in seen:
@@ -67,10 +74,12 @@ def prompt_ids(tokenizer: Any, conversations: list[dict[str, Any]], num_prompts:
 
 
 def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module, conversations: list[dict[str, Any]],
-                       *, num_prompts: int = 20, max_new_tokens: int = 128, return_texts: bool = False) -> dict[str, Any]:
-    """tau, acceptance histogram, per-position acceptance, speed-up on `num_prompts` prompts (lossless-checked);
-    `return_texts`: also the (prompt, output) token ids, see `evaluate_speculative`."""
-    prompts = prompt_ids(tokenizer, conversations, num_prompts)
+                       *, num_prompts: int = 20, max_new_tokens: int = 128, return_texts: bool = False,
+                       max_prompt_tokens: int = 512) -> dict[str, Any]:
+    """tau, acceptance histogram, per-position acceptance, speed-up on `num_prompts` prompts (lossless-checked;
+    `prompt_ids`, of at most `max_prompt_tokens` tokens); `return_texts`: also the (prompt, output) token ids, see
+    `evaluate_speculative`."""
+    prompts = prompt_ids(tokenizer, conversations, num_prompts, max_prompt_tokens)
     draft.eval()
     report = evaluate_speculative(target_model, draft, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop_token_ids(target_model, tokenizer), return_texts=return_texts)
@@ -80,20 +89,22 @@ def speculative_report(target_model: Any, tokenizer: Any, draft: torch.nn.Module
 
 def held_out_speculative_eval(target: Any, tokenizer: Any, draft: torch.nn.Module, conversations: list[dict[str, Any]], *,
                               rank: int, num_prompts: int, max_new_tokens: int,
-                              chain_tau: Callable[[list[tuple[list[int], list[int]]]], float] | None = None
-                              ) -> dict[str, Any] | None:
+                              chain_tau: Callable[[list[tuple[list[int], list[int]]]], float] | None = None,
+                              max_prompt_tokens: int = 512) -> dict[str, Any] | None:
     """SYNC POINT: a training run's real speculative decoding on its held-out prompts (`DFlashTrainer`).
 
     `target`: the run's `FrozenTarget` (or tensor-parallel target). The report on rank 0, None on the other
     ranks: call it on every rank (under tensor_parallel the other ranks of rank 0's group run the sharded
     target with it in lockstep, `dflash.target_model.tp_decode`). `chain_tau(texts)`, when given, scores the decoded
     (prompt, output) pairs teacher-forced: the held-out chain estimate on exactly these prompts and
-    outputs, so that what separates it from the real tau is numerics alone (`teacher_forced_chain_tau`)."""
+    outputs, so that what separates it from the real tau is numerics alone (`teacher_forced_chain_tau`).
+    `max_prompt_tokens`: the longest prompt decoded (`prompt_ids`)."""
     with decode_session(target, rank) as target_model:
         if target_model is None:
             return None
         report = speculative_report(target_model, tokenizer, draft, conversations, num_prompts=num_prompts,
-                                    max_new_tokens=max_new_tokens, return_texts=True)
+                                    max_new_tokens=max_new_tokens, return_texts=True,
+                                    max_prompt_tokens=max_prompt_tokens)
     texts = report.pop("texts")
     if chain_tau is not None:
         report["teacher_forced_chain_tau"] = chain_tau(texts)
@@ -116,7 +127,7 @@ def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int =
     """The conversations whose first user turns `dflash eval` decodes. "auto": the held-out split the
     draft's run recorded (`dflash_config.held_out_split`: the prompts of its own end-of-run evaluation, in
     its order), else chitchat's; "chitchat": chitchat's held-out split of `held_out_size` conversations
-    (never trained on by a run on all of chitchat); otherwise a conversations file or folder."""
+    (never trained on by a run on all of chitchat); otherwise a conversations (or token rows) file or folder."""
     split = trained_held_out_split(draft_dir) if prompts == "auto" else None
     if split is not None:
         log.info("prompts: the held-out split of the draft's run (%s)", split)
@@ -127,7 +138,7 @@ def eval_conversations(prompts: str, draft_dir: str | Path, held_out_size: int =
                              f"readable here ({e}); pass --prompts chitchat or --prompts FILE") from e
     if prompts in ("auto", "chitchat"):
         return held_out_conversations(DataSettings(source="chitchat", eval_size=held_out_size).held_out_split())
-    return load_conversations(prompts, require_assistant=False)[0]
+    return speculative_entries(load_conversations(prompts, require_assistant=False)[0])
 
 
 def check_writable(path: Path) -> None:

@@ -1,0 +1,99 @@
+"""Whole conversations regenerated turn by turn as exact token rows (`dflash.data.conversations`): the row is the
+template's opening, each reply's own ids and the template's glue; every prompt the target gets is the row so far;
+a prompt the engine ran differently is a named error; rows that end early are counted; a rerun resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_tokenization import supervised_pieces
+from test_tool_calls import TOOL_CHAT, TOOLS, tool_tokenizer  # noqa: F401 (a fixture)
+
+from dflash.data.conversations import regenerate_conversations
+from dflash.engines import ReplayMismatch, Reply
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "(human reply)"}, {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "(human reply)"}]
+
+
+class ScriptedTarget:
+    """A `Replier` that answers turn k of every prompt with `replies[k]` (text ending in its stop token), reports the
+    prompt it ran (`prompt_edit` may change it: a server that tokenizes on its own), and records what it was sent."""
+
+    def __init__(self, tokenizer, replies: list[str], *, finished: bool = True, prompt_edit=None) -> None:
+        self.tokenizer, self.replies, self.finished, self.prompt_edit = tokenizer, replies, finished, prompt_edit
+        self.sent: list[list[int]] = []
+
+    def reply(self, prompts, max_new_tokens):
+        out = []
+        for prompt in prompts:
+            turn = sum(p == prompt[:len(p)] for p in self.sent)  # earlier prompts of this conversation are its prefixes
+            self.sent.append(list(prompt))
+            ids = self.tokenizer(self.replies[turn], add_special_tokens=False)["input_ids"]
+            ran = self.prompt_edit(list(prompt)) if self.prompt_edit else list(prompt)
+            out.append(Reply(self.tokenizer.decode(ids[:-1]), self.finished, tuple(ids), tuple(ran)))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_conversation_becomes_one_exact_token_row(tokenizer, tmp_path):
+    replies = ["Hello there!<|im_end|>", "Blue.<|im_end|>"]
+    target = ScriptedTarget(tokenizer, replies)
+    result = regenerate_conversations([{"id": "c0", "messages": CHAT}], target, tokenizer, tmp_path / "c.jsonl",
+                                      target_name="t")
+    (row,) = _rows(tmp_path / "c.jsonl")
+    assert result.written == 1 and row["turns"] == 2 and not row["truncated"] and row["source_id"] == "c0"
+    # The row is the conversation as the template renders it with the target's replies, token for token ...
+    answered = [*CHAT[:2], {"role": "assistant", "content": "Hello there!"}, CHAT[3],
+                {"role": "assistant", "content": "Blue."}]
+    assert row["input_ids"] == tokenizer.apply_chat_template(answered, return_dict=True)["input_ids"][:len(row["input_ids"])]
+    assert supervised_pieces(row, tokenizer) == replies  # ... every reply supervised through its stop token, nothing else
+    # ... and each turn's prompt was exactly the row before that turn's reply
+    starts = [i for i in range(1, len(row["loss_mask"])) if row["loss_mask"][i] and not row["loss_mask"][i - 1]]
+    assert [len(p) for p in target.sent] == starts and all(p == row["input_ids"][:len(p)] for p in target.sent)
+
+
+def test_tool_results_are_kept_and_the_calls_regenerated(tool_tokenizer, tmp_path):  # noqa: F811
+    calls = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+             "Paris is mild.<|im_end|>", "Looking.<|im_end|>", "Cold.<|im_end|>"]
+    target = ScriptedTarget(tool_tokenizer, calls)
+    regenerate_conversations([{"id": "t", "messages": TOOL_CHAT, "tools": TOOLS}], target, tool_tokenizer,
+                             tmp_path / "t.jsonl", target_name="t")
+    (row,) = _rows(tmp_path / "t.jsonl")
+    assert row["turns"] == 4 and supervised_pieces(row, tool_tokenizer) == calls
+    text = tool_tokenizer.decode(row["input_ids"])
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in text and "# Tools" in text  # recorded, unsupervised
+    unsupervised = tool_tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+    assert '{"temp": 25}' in unsupervised and "Paris is mild" not in unsupervised
+
+
+def test_a_prompt_the_engine_ran_differently_is_a_named_error(tokenizer, tmp_path):
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    target = ScriptedTarget(tokenizer, ["Hi.<|im_end|>", "Red.<|im_end|>"], prompt_edit=lambda ids: [bos, *ids])
+    with pytest.raises(ReplayMismatch, match=r"conversation c0, assistant turn 1.*position 0"):
+        regenerate_conversations([{"id": "c0", "messages": CHAT}], target, tokenizer, tmp_path / "c.jsonl",
+                                 target_name="t")
+
+
+def test_rows_that_end_early_are_counted_and_a_rerun_resumes(tokenizer, tmp_path):
+    path = tmp_path / "c.jsonl"
+    cut = ScriptedTarget(tokenizer, ["Hello there and more<|im_end|>"], finished=False)  # hit max_new_tokens
+    other_end = ScriptedTarget(tokenizer, ["Hi.<|endoftext|>"])  # a stop token the template does not close turns with
+    second = [{"id": "c1", "messages": [*CHAT[:4], {"role": "assistant", "content": "x"}, CHAT[1],
+                                         {"role": "assistant", "content": "y"}]}]
+    first = regenerate_conversations([{"id": "c0", "messages": CHAT}], cut, tokenizer, path, target_name="t")
+    assert first.written == 1 and first.skipped == {"reply hit max_new_tokens": 1}
+    ended = regenerate_conversations(second, other_end, tokenizer, path, target_name="t")
+    assert ended.skipped == {"reply ended with a token the chat template does not end a turn with": 1}
+    rows = _rows(path)
+    assert [(r["turns"], r["truncated"]) for r in rows] == [(1, True), (1, False)]
+    again = regenerate_conversations([{"id": "c0", "messages": CHAT}, *second], cut, tokenizer, path, target_name="t")
+    assert again.written == 0 and again.reused == 2 and len(_rows(path)) == 2
