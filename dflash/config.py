@@ -117,7 +117,9 @@ class DataSettings:
     # User turns answered per training conversation, each reply becoming context for the next (more
     # target text from the same prompts). Held-out rows keep 1: their first user turns are the
     # speculative-evaluation prompts, so the held-out chain τ̂ scores what real decoding sees.
-    regenerate_turns: int = 1
+    # all: every assistant turn of every conversation, training and held-out, in order, user and tool messages kept,
+    # each conversation one exact token row (dflash.data.conversations); held-out prompts: the history before the last
+    regenerate_turns: int | Literal["all"] = 1
     # Each of the first N user messages of a training conversation asked on its own, as a single-turn
     # prompt (1: the first user turn only). More prompts of the kind the speculative evaluation decodes.
     standalone_turns: int = 1
@@ -235,7 +237,8 @@ class TrainConfig:
             (self.data.limit is None or self.data.limit >= 1, "data.limit must be >= 1"),
             (self.data.num_workers >= 0, "data.num_workers must be >= 0"),
             (self.data.regenerate_max_new_tokens >= 1, "data.regenerate_max_new_tokens must be >= 1"),
-            (self.data.regenerate_turns >= 1, "data.regenerate_turns must be >= 1"),
+            (self.data.regenerate_turns == "all" or self.data.regenerate_turns >= 1,
+             "data.regenerate_turns must be >= 1 or all"),
             (self.data.regenerate_engine != "openai" or bool(self.data.regenerate_url),
              "data.regenerate_engine=openai needs data.regenerate_url (the server's base URL, e.g. http://localhost:8000/v1)"),
             (self.data.regenerate_concurrency >= 1, "data.regenerate_concurrency must be >= 1"),
@@ -400,7 +403,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
                 return _convert(value, option, key)
             except (TypeError, ValueError):
                 continue  # the next option; the error below names them all
-        names = [getattr(o, "__name__", str(o)) if o is not type(None) else "null" for o in options]
+        names = ["null" if o is type(None) else " or ".join(map(str, typing.get_args(o))) if typing.get_origin(o) is Literal
+                 else getattr(o, "__name__", str(o)) for o in options]
         raise ValueError(f"{key}: could not convert {value!r} to {' or '.join(names)}")
     if origin is list:
         (inner,) = typing.get_args(hint)

@@ -270,3 +270,16 @@ def long_chitchat_conversations(path: Path | None = None, chars: tuple[int, int]
             out.append({"id": f"long-{first}", "messages": messages})
             messages, first, goal, size = [], "", rng.randint(*chars), 0
     return out
+
+
+def embedded_conversations(source: Any) -> list[dict[str, Any]] | None:
+    """The conversations of a named embedded source (`data.source`: "chitchat", "chitchat-long"), None for any other
+    source (a file, a folder, a hub name): the one place that tells the embedded sources apart."""
+    if source == "chitchat":
+        return chitchat_conversations()
+    if source == LONG_CHITCHAT:
+        return long_chitchat_conversations()
+    return None
+
+
+EMBEDDED_SOURCES = ("chitchat", LONG_CHITCHAT)  # both read the chitchat-dataset package's file

@@ -24,6 +24,7 @@ from dflash.embedded import (
     _GGUF_INSTALL,
     _GGUF_PACKAGE,
     _MARKER,
+    EMBEDDED_SOURCES,
     EMBEDDED_TARGET_NAME,
     cache_root,
 )
@@ -62,8 +63,8 @@ def required_packages(config: Any, *, target_given: bool = False, dataset_given:
     engine = config.data.regenerate_engine
     if config.data.regenerate and not dataset_given and engine in ENGINE_PACKAGES:
         needs.append((engine, f"data.regenerate_engine: {engine}", ENGINE_PACKAGES[engine]))
-    if config.data.source == "chitchat" and not dataset_given:
-        needs.append((_CHITCHAT_PACKAGE, "data.source: chitchat", _CHITCHAT_INSTALL))
+    if config.data.source in EMBEDDED_SOURCES and not dataset_given:
+        needs.append((_CHITCHAT_PACKAGE, f"data.source: {config.data.source}", _CHITCHAT_INSTALL))
     return needs
 
 

@@ -97,3 +97,51 @@ def test_rows_that_end_early_are_counted_and_a_rerun_resumes(tokenizer, tmp_path
     assert [(r["turns"], r["truncated"]) for r in rows] == [(1, True), (1, False)]
     again = regenerate_conversations([{"id": "c0", "messages": CHAT}, *second], cut, tokenizer, path, target_name="t")
     assert again.written == 0 and again.reused == 2 and len(_rows(path)) == 2
+
+
+def _scripted_generate(model, tokenizer, prompts, max_new_tokens):
+    """`regenerate._generate` replaced: reply k of a prompt names the prompt's length, then <|im_end|>."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for ids in prompts:
+        text = f"Reply to {len(ids)} tokens."
+        out.append(Reply(text, True, (*tokenizer(text, add_special_tokens=False)["input_ids"], end), tuple(ids)))
+    return out
+
+
+def test_dflash_train_regenerates_whole_conversations(tiny_target_dir, tmp_path, monkeypatch):
+    """`data.regenerate_turns=all` through `dflash train`: both parts regenerated whole into token rows, the run
+    trains on them and decodes the held-out histories before their last replies."""
+    import dflash.data.regenerate as regen
+    from dflash.cli.main import main
+    from dflash.config import DataSettings
+    from dflash.data.corpus import prepare_corpus
+    from dflash.target_model.loading import load_target
+
+    source = tmp_path / "chats.jsonl"
+    with source.open("w") as f:
+        for i in range(12):
+            turns = [{"role": r, "content": f"{r} message {k} of chat {i}"} for k in range(3) for r in ("user", "assistant")]
+            f.write(json.dumps({"id": f"chat{i}", "messages": turns}) + "\n")
+    monkeypatch.setattr(regen, "_generate", _scripted_generate)
+    settings = DataSettings(source=str(source), eval_size=2, regenerate_turns="all", max_length=256,
+                            cache_dir=str(tmp_path / "cache"))
+    model, tokenizer = load_target(str(tiny_target_dir), None)
+    corpus = prepare_corpus(settings, tokenizer, model, str(tiny_target_dir))
+    rows = {r["id"]: r for r in map(json.loads, open(corpus.description["files"]["eval"]).read().splitlines())}
+    assert len(rows) == 2 and all(r["turns"] == 3 for r in rows.values())
+    for entry in corpus.held_out_conversations:  # the history before the last reply, the target's own replies in it
+        row = rows[entry["id"]]
+        last = max(i for i in range(1, len(row["loss_mask"])) if row["loss_mask"][i] and not row["loss_mask"][i - 1])
+        assert entry["prompt_ids"] == row["input_ids"][:last]
+        assert tokenizer.decode(entry["prompt_ids"]).count("Reply to") == 2
+    assert len(corpus.train) == 10 and sum(map(sum, corpus.train["loss_mask"])) > 0
+
+    run = tmp_path / "run"
+    assert main(["train", f"target={tiny_target_dir}", f"data.source={source}", "data.eval_size=2",
+                 "data.regenerate_turns=all", "data.max_length=256", f"data.cache_dir={tmp_path / 'cache'}", "device=cpu",
+                 "draft.mask_token_id=16", "draft.num_layers=1", "draft.block_size=4", "draft.num_anchors=8",
+                 "batch_size=2", "max_steps=2", "spec_eval_prompts=2", "spec_eval_max_new_tokens=8",
+                 "progress_bar=false", f"output_dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["speculative"]["num_prompts"] == 2 and summary["speculative"]["lossless"]

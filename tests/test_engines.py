@@ -170,6 +170,34 @@ def test_a_server_writes_the_same_rows_keyed_by_what_it_serves(server, regenerat
     assert server_file.name != local_file.name and unverified.fingerprint in server_file.name
 
 
+def test_whole_conversations_through_a_server_are_the_transformers_token_rows(server, engine_target_dir,
+                                                                             conversations_file, tmp_path):
+    """`data.regenerate_turns=all`: every assistant turn answered in order and each conversation one exact token row;
+    the server reports the prompt ids it ran (checked against what was sent: exact replay) and its reply's own ids,
+    and its rows equal the transformers engine's id for id."""
+    from transformers import AutoTokenizer
+
+    from dflash.data.regenerate import target_stop_ids
+    from dflash.engines.openai_server import ServerReplier
+
+    tokenizer = AutoTokenizer.from_pretrained(engine_target_dir)
+    replier = ServerReplier(server, "tiny", target_stop_ids(str(engine_target_dir), tokenizer), concurrency=1)
+    ids = tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    (reply,) = replier.reply([ids], 4)
+    replier.close()
+    assert reply.prompt_token_ids == tuple(ids) and reply.token_ids is not None and len(reply.token_ids) >= 1
+
+    rows = {}
+    for name, extra in (("hf", []), ("server", ["data.regenerate_engine=openai", f"data.regenerate_url={server}"])):
+        assert generate(engine_target_dir, tmp_path / name, conversations_file, "data.regenerate_turns=all", *extra) == 0
+        (path,) = (tmp_path / name / "regenerated").glob("*-conversations-train.jsonl")
+        rows[name] = {r["prompt_id"]: r for r in map(json.loads, path.read_text().splitlines())}
+    assert rows["server"].keys() == rows["hf"].keys() and len(rows["hf"]) >= 20
+    for pid, row in rows["hf"].items():
+        assert (row["input_ids"], row["loss_mask"]) == (rows["server"][pid]["input_ids"], rows["server"][pid]["loss_mask"])
+    assert any(row["turns"] == 2 for row in rows["hf"].values()) or all(row["truncated"] for row in rows["hf"].values())
+
+
 def test_the_dry_run_counts_a_servers_cache(server, regenerated, engine_target_dir, conversations_file, capsys):
     """`dflash train --dry-run` keys the cache as the run does: the server's file (written above) is found."""
     root, reference, _ = regenerated

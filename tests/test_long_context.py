@@ -137,3 +137,18 @@ def test_memory_estimate_of_a_config_reads_its_settings(tiny_target):
     assert shape.target_layers_run == 3 and shape.feature_layers == 2
     cfg.data.packing = False
     assert step_shape(cfg, tiny_target.config, draft_cfg, 1000, 5000, 2).positions == 96
+
+
+def test_the_dry_run_prints_the_step_memory_estimate(tiny_target_dir, capsys):
+    """`dflash train --dry-run` says the step's estimated peak, which recomputation lowers (a 4-layer draft with
+    many anchors on the tiny target)."""
+    from dflash.cli.main import main
+
+    peaks = []
+    for extra in ([], ["activation_checkpointing=true"]):
+        assert main(["train", f"target={tiny_target_dir}", "draft.mask_token_id=16", "draft.num_layers=4", "device=cpu",
+                     "draft.num_anchors=256", "data.max_length=1024", *extra, "--dry-run"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step_memory_estimate"))
+        peaks.append(float(line.split()[1]))
+        assert "draft layers' stored activations" in line
+    assert peaks[1] < peaks[0], peaks

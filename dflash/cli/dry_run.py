@@ -11,17 +11,25 @@ from transformers import AutoModelForCausalLM
 
 from dflash.attention import resolve_attention
 from dflash.config import TrainConfig
-from dflash.data.corpus import _regenerated_file, _training_rows, regenerates, split_conversations, split_warning
+from dflash.data.corpus import (
+    _regenerate_turns,
+    _regenerated_file,
+    _training_rows,
+    asked_id,
+    regenerates,
+    split_conversations,
+    split_warning,
+)
 from dflash.data.loader import pack_length
-from dflash.data.regenerate import prompt_id, prompt_turns
 from dflash.data.repliers import target_identity
 from dflash.data.reply_cache import cached_prompt_ids
 from dflash.data.sources import local_source
-from dflash.embedded import cache_root
+from dflash.embedded import EMBEDDED_SOURCES, cache_root
 from dflash.factory import check_run_settings, draft_config_for, offline_target, run_kind
 from dflash.files import format_bytes
 from dflash.kinds.registry import draft_model_for_config
 from dflash.losses import decay_gamma
+from dflash.memory import describe, estimate, step_shape
 from dflash.modeling import text_config_of
 from dflash.preflight import check_dependencies
 from dflash.run.folder import check_folder
@@ -31,20 +39,43 @@ from dflash.target_model.loading import load_target_config, load_tokenizer, targ
 from dflash.target_model.tensor_parallel import check_tp_support, shard_model_, target_parameter_bytes
 
 
-def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
-    """This rank's bytes of the target's parameters and buffers with `tp` ranks per tensor-parallel group:
-    the decoder layers 1/tp, the embedding and LM head whole (the draft reads them). From the config on
-    the meta device (no weight is read); `check_tp_support` refuses a size that does not divide the heads."""
+def target_bytes(target_config: Any, tp: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
+    """(this rank's, the whole model's) bytes of the target's parameters and buffers (`target_parameter_bytes`) with
+    `tp` ranks per tensor-parallel group: the decoder layers 1/tp, the embedding and LM head whole (the draft reads
+    them). From the config on the meta device (no weight is read); `check_tp_support` refuses a size that does not
+    divide the heads."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target_config, dtype=dtype)
     whole = target_parameter_bytes(model)
     if tp > 1:
         text = text_config_of(target_config)
         shard_model_(model, check_tp_support(text, tp), 0, tp)
-    mine = target_parameter_bytes(model)
+    return target_parameter_bytes(model), whole
+
+
+def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
+    """This rank's bytes of the target (`target_bytes`), described."""
+    mine, whole = target_bytes(target_config, tp, dtype)
     b = {key: format_bytes(n) for key, n in mine.items()}
     return (f"{b['total']} (decoder layers {b['layers']} of {format_bytes(whole['layers'])}, embedding "
             f"{b['embedding']}, LM head {b['lm_head']}{' (tied)' if not mine['lm_head'] else ''}, other {b['other']})")
+
+
+def step_memory(config: TrainConfig, target_config: Any, draft_cfg: Any, draft_params: int, dtype: torch.dtype) -> str:
+    """The training step's peak device memory on one rank, estimated from the shapes (`dflash.memory`), with the
+    options that lower it when it passes the device's memory."""
+    mine = target_bytes(target_config, config.tensor_parallel.size, dtype)[0]
+    # data.features: only the embedding and LM head are read (`OfflineTarget`)
+    on_rank = mine["embedding"] + mine["lm_head"] if config.data.features else mine["total"]
+    parts = estimate(step_shape(config, text_config_of(target_config), draft_cfg, draft_params, on_rank, dtype.itemsize))
+    line = describe(parts)
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if parts["peak"] > total:
+            line += (f"; more than this GPU's {total:.0f} GiB: try activation_checkpointing=true, fewer draft.num_anchors "
+                     "or a smaller batch_size")
+    return line
 
 
 def mesh(tp: int) -> str:
@@ -55,11 +86,12 @@ def mesh(tp: int) -> str:
     return f"dp {world // tp} x tp {tp}" + (f" ({world} processes; the draft is data-parallel over all)" if world > 1 else "")
 
 
-def _cached(rows: list[dict[str, Any]], path: Path, turns: int) -> int:
-    """How many of `rows`' prompts the regenerated file `path` already answers."""
+def _cached(rows: list[dict[str, Any]], path: Path, turns: int | str) -> int:
+    """How many of `rows`' prompts (whole conversations under `regenerate_turns: all`) the regenerated file `path`
+    already answers."""
     if not path.is_file():
         return 0
-    asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
+    asked = {asked_id(row, turns) for row in rows}
     return len(cached_prompt_ids(path) & asked)  # a damaged row is not counted: the run asks its prompt again
 
 
@@ -117,7 +149,7 @@ def phases(config: TrainConfig) -> dict[str, Any]:
               f"none (training runs to {'max_steps' if config.num_epochs is None else 'the steps of num_epochs'})")
     # phases_to_run is filled once the regeneration is counted; its place is here, after the time lines
     out: dict[str, Any] = {"time_budget": budget, "time_estimate": time_estimate(config), "phases_to_run": None}
-    if d.source != "chitchat" and not Path(d.source).expanduser().exists():
+    if d.source not in EMBEDDED_SOURCES and not Path(d.source).expanduser().exists():
         out["steps"] = config.max_steps if config.num_epochs is None else \
             f"from num_epochs={config.num_epochs:g} over the training rows, counted once the run loads the source"
         out["phases_to_run"] = phases_to_run(config, "read from the hub; regeneration counted once loaded"
@@ -135,8 +167,8 @@ def phases(config: TrainConfig) -> dict[str, Any]:
     elif regenerated:
         root = Path(d.cache_dir) if d.cache_dir else cache_root()
         identity = target_identity(d, config.target)  # as the run keys its cache (a server is asked what it serves)
-        cached = [_cached(r, _regenerated_file(d, root, config.target, part, identity.fingerprint), turns)
-                  for r, part, turns in ((prompts, "train", d.regenerate_turns), (held, "eval", 1))]
+        cached = [_cached(r, _regenerated_file(d, root, config.target, part, identity.fingerprint),
+                          _regenerate_turns(d, part)) for r, part in ((prompts, "train"), (held, "eval"))]
         out["phase_regeneration"] = (f"{len(prompts):,} training prompts ({cached[0]:,} cached) and {len(held):,} held-out "
                                      f"prompts ({cached[1]:,} cached), at most {d.regenerate_max_new_tokens} new tokens "
                                      f"each, {d.regenerate_batch_size} per batch; "
@@ -225,6 +257,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "tensor_parallel_overlap": config.tensor_parallel.overlap if tp > 1 else "n/a (tensor_parallel.size 1)",
         "target_memory_per_rank": target_memory(target_cfg, tp, dtype) if not config.data.features else
         "embedding and LM head only (data.features: the trunk is not loaded)",
+        "step_memory_estimate": step_memory(config, target_cfg, draft_cfg, params, dtype),
         "attention": resolve_attention(ds.attention, device),
         "data": config.data.source,
         "regenerate": config.data.regenerate,

@@ -144,8 +144,9 @@ def regenerate_conversations(conversations: Iterable[Mapping[str, Any]], replier
                              max_new_tokens: int = 256, max_prompt_tokens: int = 2048,
                              progress: bool = True) -> RegenerateResult:
     """Write every conversation of `conversations` (rows with `messages`, optionally `tools` and `id`), each of its
-    assistant turns answered by `replier` in order, to `out_path` as token rows (JSONL: `input_ids`, `loss_mask`,
-    `prompt_id`, `target`, `source_id`, `turns`, `truncated`, `stop_reason`). Conversations already in the file are
+    assistant turns answered by `replier` in order, to `out_path` as token rows (JSONL: `id` (the conversation's),
+    `input_ids`, `loss_mask`, `prompt_id`, `target`, `source_id`, `turns`, `truncated`, `stop_reason`).
+    Conversations already in the file are
     skipped (resume); a conversation whose first prompt is over `max_prompt_tokens`, or whose first reply is empty,
     is counted and written nowhere; one that ends early keeps the turns answered before (counted by reason)."""
     path = Path(out_path)
@@ -181,7 +182,8 @@ def regenerate_conversations(conversations: Iterable[Mapping[str, Any]], replier
                         result.skip(trace.stop_reason)
                     if not trace.answered:
                         continue
-                    f.write(json.dumps({"input_ids": trace.ids, "loss_mask": trace.mask, "prompt_id": trace.prompt_id,
+                    f.write(json.dumps({"id": trace.source_id, "input_ids": trace.ids, "loss_mask": trace.mask,
+                                        "prompt_id": trace.prompt_id,
                                         "target": target_name, "source_id": trace.source_id, "turns": trace.answered,
                                         "truncated": trace.truncated, "stop_reason": trace.stop_reason}) + "\n")
                     result.written += 1

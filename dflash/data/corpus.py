@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dflash.config import DataSettings
+from dflash.data.conversations import conversation_id, regenerate_conversations
 from dflash.data.feature_data import FeatureDataset, read_split_record, run_feature_parts
 from dflash.data.regenerate import cache_writer, prompt_id, prompt_turns, regenerate
 from dflash.data.repliers import TargetIdentity, make_replier, target_identity
@@ -28,7 +29,7 @@ from dflash.data.rows import first_prompt, is_token_row, last_turn_prompt, token
 from dflash.data.sources import load_conversations
 from dflash.data.tokenization import build_dataset, check_token_absent
 from dflash.data.tool_calls import uses_tools
-from dflash.embedded import cache_root, cache_slug, chitchat_conversations
+from dflash.embedded import cache_root, cache_slug, embedded_conversations
 from dflash.engines import Replier
 from dflash.runtime import resolve_device, resolve_dtype
 from dflash.target_model.loading import load_target, load_tokenizer
@@ -109,9 +110,8 @@ def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def _conversations(settings: DataSettings) -> tuple[list[dict[str, Any]], int]:
     """The source's conversations (limited) and how many the source had."""
-    if settings.source == "chitchat":
-        conversations = chitchat_conversations()
-    else:
+    conversations = embedded_conversations(settings.source)
+    if conversations is None:
         conversations, _ = load_conversations(settings.source, settings.split)
     conversations = list(conversations)
     return conversations[: settings.limit] if settings.limit is not None else conversations, len(conversations)
@@ -137,9 +137,11 @@ TOOL_REGENERATION = ("conversations with tool calls are regenerated whole (data.
 
 
 def check_tool_regeneration(settings: DataSettings, rows: list[dict[str, Any]]) -> None:
-    """Refuse regenerating conversations that use tools: regeneration keeps the user turns and asks the target
-    again, which would drop the calls, their results and the tools list (ValueError, `TOOL_REGENERATION`)."""
-    if settings.regenerate and any(uses_tools(row) for row in rows if not is_token_row(row)):
+    """Refuse regenerating conversations that use tools turn by turn from their user turns alone
+    (`data.regenerate_turns` a number), which would drop the calls, their results and the tools list (ValueError,
+    `TOOL_REGENERATION`); `regenerate_turns: all` keeps them (`dflash.data.conversations`)."""
+    if (settings.regenerate and settings.regenerate_turns != "all"
+            and any(uses_tools(row) for row in rows if not is_token_row(row))):
         raise ValueError(TOOL_REGENERATION)
 
 
@@ -150,10 +152,19 @@ def regenerates(settings: DataSettings, rows: list[dict[str, Any]]) -> bool:
     return settings.regenerate and not (rows and is_token_row(rows[0]))  # one shape per source
 
 
-def _regenerate_turns(settings: DataSettings, part: str) -> int:
+def _regenerate_turns(settings: DataSettings, part: str) -> int | str:
     """User turns answered per conversation: `data.regenerate_turns` for training, 1 for held-out rows
-    (their first user turns are the speculative-evaluation prompts)."""
-    return settings.regenerate_turns if part == "train" else 1
+    (their first user turns are the speculative-evaluation prompts); "all" for both parts (whole conversations:
+    the held-out prompts are the histories before their last replies)."""
+    return settings.regenerate_turns if part == "train" or settings.regenerate_turns == "all" else 1
+
+
+def asked_id(row: dict[str, Any], turns: int | str) -> str:
+    """The cache key of what `row` asks the target with `turns` (`_regenerate_turns`): a whole conversation's
+    `conversation_id`, else the `prompt_id` of its first `turns` user turns."""
+    if turns == "all":
+        return conversation_id(row["messages"], row.get("tools"))
+    return prompt_id(prompt_turns(row["messages"], turns))
 
 
 def _split_tag(settings: DataSettings) -> str:
@@ -169,7 +180,7 @@ def _regenerated_file(settings: DataSettings, root: Path, target_name: str, part
     tag = _split_tag(settings)
     safe_target = f"{cache_slug(target_name, 60, keep_end=True)}-w{weights}"
     turns = _regenerate_turns(settings, part)
-    suffix = f"-{turns}turns" if turns != 1 else ""  # no suffix for one turn: existing caches keep matching
+    suffix = {1: "", "all": "-conversations"}.get(turns, f"-{turns}turns")  # none for one turn: old caches match
     if part == "train" and settings.standalone_turns != 1:
         suffix += f"-{settings.standalone_turns}standalone"
     return root / "regenerated" / f"{safe_target}-{tag}-{settings.regenerate_max_new_tokens}{suffix}-{part}.jsonl"
@@ -182,13 +193,19 @@ def _regenerate_part(rows: list[dict[str, Any]], settings: DataSettings, root: P
     its own: `regenerate_turns` (2 turns from 1, 3 from 2 or else 1, ...), or `standalone_turns` for a
     standalone run (whose 1 is the first-turn file)."""
     turns = _regenerate_turns(settings, part)
+    out = _regenerated_file(settings, root, target_name, part, weights)
+    if turns == "all":
+        return regenerate_conversations(rows, replier, tokenizer, out, target_name=target_name,
+                                        batch_size=settings.regenerate_batch_size,
+                                        max_new_tokens=settings.regenerate_max_new_tokens,
+                                        max_prompt_tokens=settings.regenerate_max_prompt_tokens)
     key, count = (("standalone_turns", settings.standalone_turns) if part == "train" and settings.standalone_turns > 1
                   else ("regenerate_turns", turns))
     fewer = (_regenerated_file(replace(settings, **{key: k}), root, target_name, part, weights)
              for k in range(count - 1, 0, -1))
     earlier = next((path for path in fewer if path.exists()), None)
-    return regenerate(rows, replier, tokenizer, _regenerated_file(settings, root, target_name, part, weights),
-                      batch_size=settings.regenerate_batch_size, max_new_tokens=settings.regenerate_max_new_tokens,
+    return regenerate(rows, replier, tokenizer, out, batch_size=settings.regenerate_batch_size,
+                      max_new_tokens=settings.regenerate_max_new_tokens,
                       max_prompt_tokens=settings.regenerate_max_prompt_tokens, turns=turns, target_name=target_name,
                       earlier=earlier)
 
@@ -247,14 +264,14 @@ def _training_rows(train: list[dict[str, Any]], held: list[dict[str, Any]], sett
     return rows
 
 
-def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int) -> int:
+def _keep_rows_asked_for(path: Path, rows: list[dict[str, Any]], turns: int | str) -> int:
     """Rewrite the regenerated file `path` to the first row of each prompt that `rows` ask (with `turns`
     user turns each), and return how many rows it dropped. Regeneration appends to a cache and skips what
     is there, so a file can hold rows no longer asked for (one written before `split_held_out` dropped
     training conversations that open with a held-out prompt holds the very text the evaluation decodes)
     and, written before `cache_writer` locked it, the rows of two runs that regenerated it at once (every
     held-out prompt twice)."""
-    asked = {prompt_id(prompt_turns(row["messages"], turns)) for row in rows}
+    asked = {asked_id(row, turns) for row in rows}
     with cache_writer(path):  # no run appends while this one rewrites
         lines = [line for line in path.read_bytes().splitlines(keepends=True) if line.strip()]
         kept, seen = [], set()
@@ -316,6 +333,8 @@ def prepare_corpus(settings: DataSettings, tokenizer: Any, target_model: Any, ta
         "files": {k: str(v) for k, v in paths.items()},
     }
     log.info("corpus: %s", description)
+    if regenerated and settings.regenerate_turns == "all" and "eval" in paths:  # the target's own histories
+        held = load_conversations(str(paths["eval"]))[0]
     return Corpus(datasets["train"], datasets.get("eval"), description, speculative_entries(held),
                   settings.held_out_split() if held else None)
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from dflash.data.rows import BadRow, is_token_row, mixed_shape, token_row
 from dflash.data.tool_calls import row_tools, tool_fields
-from dflash.embedded import chitchat_conversations
+from dflash.embedded import EMBEDDED_SOURCES, embedded_conversations
 
 logger = logging.getLogger(__name__)
 
@@ -289,18 +289,18 @@ def local_source(source: str) -> list[Path] | None:
     path meant as one (a file suffix, or starting with / . ~) is a FileNotFoundError naming it: the one rule
     the run and the dry run both apply."""
     path = Path(source).expanduser()
-    if source != "chitchat" and path.exists():
+    if source not in EMBEDDED_SOURCES and path.exists():
         return local_files(path)
-    if source != "chitchat" and _looks_like_path(source):
+    if source not in EMBEDDED_SOURCES and _looks_like_path(source):
         raise FileNotFoundError(f"dataset file or folder not found: {path}")
     return None
 
 
 def _source_rows(source: Any, split: str, report: DataReport) -> Iterator[tuple[str, Any]]:
     """(where, raw row) from any supported source."""
-    if isinstance(source, str) and source == "chitchat":
-        for conv in chitchat_conversations():
-            yield f"chitchat {conv['id']}", conv
+    if isinstance(source, str) and (embedded := embedded_conversations(source)) is not None:
+        for conv in embedded:
+            yield f"{source} {conv['id']}", conv
         return
     if not isinstance(source, (str, os.PathLike)):
         # An in-memory datasets.Dataset or a list of rows.

@@ -33,7 +33,7 @@ from dflash.anchors import has_valid_anchor
 from dflash.data.rows import OUTSIDE_VOCABULARY, TOO_SHORT, is_token_row
 from dflash.data.sources import DataReport, Message, dataset_report, load_conversations, local_files
 from dflash.data.tool_calls import check_tool_template
-from dflash.embedded import cache_root, cache_slug, chitchat_path
+from dflash.embedded import EMBEDDED_SOURCES, cache_root, cache_slug, chitchat_path
 from dflash.report.console import quiet_datasets
 
 logger = logging.getLogger(__name__)
@@ -252,9 +252,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def _source_fingerprint(source: Any, split: str) -> dict[str, Any]:
     """What identifies the content of a source without reading it: files by path, size, mtime."""
-    if isinstance(source, str) and source == "chitchat":
+    if isinstance(source, str) and source in EMBEDDED_SOURCES:
         stat = chitchat_path().stat()
-        return {"chitchat": [stat.st_size, stat.st_mtime_ns]}
+        return {source: [stat.st_size, stat.st_mtime_ns]}
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         if path.exists():
