@@ -253,3 +253,27 @@ def test_bench_packing_runs_both_layouts_through_dflash_train(tmp_path):
     assert [r["run"] for r in runs] == ["bucketed", "packed"] and runs[1]["overrides"] == ["data.packing=true"]
     assert runs[1]["real_fraction"] > runs[0]["real_fraction"] and all(r["ms_per_step"] > 0 for r in runs)
     assert stdout.splitlines()[-1].startswith("bench_packing: bucketed ")
+
+
+def test_compare_long_tiny(tmp_path):
+    """`scripts/compare_long.py` (issue 61's quality comparison), CPU smoke: the short-row run and the long-conversation
+    run (chitchat-long regenerated whole, packed) train, and each draft is decoded on both kinds of held-out prompts,
+    the long ones being histories before a last reply."""
+    from helpers import save_tiny_target
+
+    save_tiny_target(tmp_path / "target")
+    out = tmp_path / "compare"
+    stdout = run("scripts/compare_long.py", "--steps", "3", "--seeds", "0", "--out", str(out), "--pack-length", "256",
+                 "--max-history", "192", "--reply-tokens", "8", "--long-batch", "1", "--long-anchors", "16",
+                 "--long-eval-size", "2", "--prompts", "2", f"target={tmp_path / 'target'}", "device=cpu",
+                 "draft.mask_token_id=16", "draft.block_size=4", "draft.num_anchors=8", "batch_size=2", "data.limit=12",
+                 "data.eval_size=3", "data.max_length=64", "data.num_workers=0", "data.regenerate_max_new_tokens=8",
+                 f"data.cache_dir={tmp_path / 'cache'}", "spec_eval_max_new_tokens=6")
+    rows = json.loads((out / "compare_long.json").read_text())
+    assert [(r["draft"], r["seed"], r["steps"]) for r in rows] == [("short", 0, 3), ("long", 0, 3)]
+    assert all(r["short_prompts"] == 2 and r["long_prompts"] >= 1 and r["short_prompts_lossless"] and
+               r["long_prompts_lossless"] and 1 <= r["long_prompts_tau"] <= 4 for r in rows), rows
+    config = yaml.safe_load((out / "long-s0" / "config.yaml").read_text())
+    data = config["data"]
+    assert (data["source"], data["regenerate_turns"], data["packing"]) == ("chitchat-long", "all", True)
+    assert stdout.strip().splitlines()[-1].startswith("compare_long: short seed 0 (3 steps): real tau")
