@@ -134,10 +134,12 @@ def _interval_block_mask(intervals: list[tuple[torch.Tensor, torch.Tensor]], q_l
     bsz, q_pad = intervals[0][0].shape
     q_tiles, kv_tiles = q_pad // tile, -(-kv_len // tile)
     device = intervals[0][0].device
-    starts = torch.arange(kv_tiles, device=device) * tile  # [T]
-    seen = torch.zeros(bsz, q_pad, kv_tiles, dtype=torch.long, device=device)
+    # int32: a count is at most `tile`, and the [B, Qp, T] grids are the builder's memory (Qp = 65,536 query rows
+    # and T = 768 key tiles at 32K positions with 4,096 anchors: 200 MB each in int32, twice that in int64)
+    starts = torch.arange(kv_tiles, device=device, dtype=torch.int32) * tile  # [T]
+    seen = torch.zeros(bsz, q_pad, kv_tiles, dtype=torch.int32, device=device)
     for lo, hi in intervals:
-        lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
+        lo, hi = lo.to(torch.int32).unsqueeze(-1), hi.to(torch.int32).unsqueeze(-1)
         seen = seen + (torch.minimum(hi, starts + tile) - torch.maximum(lo, starts)).clamp(min=0)
     real = torch.arange(q_pad, device=device) < q_len
     seen = (seen * real.unsqueeze(-1)).view(bsz, 1, q_tiles, tile, kv_tiles)  # padded rows see nothing

@@ -145,3 +145,25 @@ def test_dflash_train_regenerates_whole_conversations(tiny_target_dir, tmp_path,
                  "progress_bar=false", f"output_dir={run}"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["speculative"]["num_prompts"] == 2 and summary["speculative"]["lossless"]
+
+
+def test_single_turn_regeneration_checks_the_prompt_the_engine_ran(tokenizer, tmp_path):
+    """`check_replay` guards the text rows too: an engine that ran another prompt is named, and one that does not
+    report its prompt (a server without `return_token_ids`) is not checked."""
+    from dflash.data.regenerate import regenerate
+
+    chats = [{"id": "a", "messages": CHAT[:3]}]
+    shifted = ScriptedTarget(tokenizer, ["Hi.<|im_end|>"], prompt_edit=lambda ids: ids[1:])  # dropped the first token
+    with pytest.raises(ReplayMismatch, match="exact replay failed for a: the engine ran a prompt of"):
+        regenerate(chats, shifted, tokenizer, tmp_path / "r.jsonl", target_name="t", progress=False)
+
+    class TextOnly(ScriptedTarget):
+        def reply(self, prompts, max_new_tokens):
+            return [Reply(r.text, r.finished) for r in super().reply(prompts, max_new_tokens)]
+
+    result = regenerate(chats, TextOnly(tokenizer, ["Hi.<|im_end|>"]), tokenizer, tmp_path / "r.jsonl", target_name="t",
+                        progress=False)
+    assert result.written == 1
+    with pytest.raises(ValueError, match="returned text only"):
+        regenerate_conversations(chats, TextOnly(tokenizer, ["Hi.<|im_end|>"]), tokenizer, tmp_path / "c.jsonl",
+                                 target_name="t")
