@@ -206,9 +206,8 @@ HEAD_VARIANTS = {
     "dspark": {"vanilla": KIND_HEADS["dspark"]},
 }
 HEAD_STEPS = 2
-# Where the objectives draw their anchors (DSpark's `plan` calls its own module's `sample_anchors`; Domino's is
-# DFlash's).
-ANCHOR_SAMPLERS = ("dflash.objective", "dflash.kinds.dspark_objective")
+# Where the objectives draw their anchors: every kind's `plan` draws through `DFlashObjective.sample`.
+ANCHOR_SAMPLERS = ("dflash.objective",)
 
 
 def head_runs(kind: str) -> list[tuple[str, str]]:
