@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from dflash.kinds.registry import KIND_NAMES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,7 +40,7 @@ def test_bench_step_tiny(tmp_path):
     assert stdout.strip().splitlines()[-1].startswith("bench tiny")
 
 
-@pytest.mark.parametrize("kind", ["dflash", "domino", "dflash2", "dspark"])
+@pytest.mark.parametrize("kind", KIND_NAMES)
 def test_bench_step_end_to_end_tiny(tmp_path, kind):
     """The end-to-end configuration's path (a real target forward, the draft through the factory, the sync
     count) on a tiny shape."""
@@ -277,3 +279,20 @@ def test_compare_long_tiny(tmp_path):
     data = config["data"]
     assert (data["source"], data["regenerate_turns"], data["packing"]) == ("chitchat-long", "all", True)
     assert stdout.strip().splitlines()[-1].startswith("compare_long: short seed 0 (3 steps): real tau")
+
+
+def test_bench_long_tiny(tmp_path):
+    """`scripts/bench_long.py` (issue 61's long-context table), CPU smoke: one process per shape and side, the end to
+    end run with a real target, the longest-fit search, a table and one summary line; `check_sync_free.py` at a
+    longer sequence than its default."""
+    out = tmp_path / "long"
+    stdout = run("scripts/bench_long.py", "--config", "tiny", "--shapes", "64x8x2", "--end-to-end", "64x8x2",
+                 "--fits", "8:32,64", "--steps", "1", "--warmup", "1", "--out", str(out))
+    report = json.loads((out / "bench_long.json").read_text())
+    sides = [(r["side"], r["seq"], r["status"]) for r in report["runs"]]
+    assert sides == [("dflash", 64, "ok"), ("end-to-end", 64, "ok"), ("dflash", 32, "ok"), ("dflash", 64, "ok")], sides
+    assert report["fits"] == {"dflash": 64} and all(r["ms_per_step"] > 0 for r in report["runs"])
+    assert len((out / "results.jsonl").read_text().splitlines()) == 4  # written as each run ended
+    assert stdout.strip().splitlines()[-1].startswith("bench_long: 4/4 runs ok")
+    line = run("scripts/check_sync_free.py", "--steps", "2", "--seq", "96", "--anchors", "12").strip().splitlines()[-1]
+    assert line.startswith("check_sync_free (dflash, S=96, N=12): 0 syncs") and line.endswith("PASS")
