@@ -271,8 +271,7 @@ def test_grad_accumulation_equals_one_big_batch(monkeypatch, overrides, metrics,
             return both
         return plans[0] if torch.equal(loss_mask, halves[0]["loss_mask"]) else plans[1]
 
-    monkeypatch.setattr("dflash.objective.sample_anchors", fixed)
-    monkeypatch.setattr("dflash.kinds.dspark_objective.sample_anchors", fixed)  # DSpark plans with its own targets
+    monkeypatch.setattr("dflash.objective.sample_anchors", fixed)  # every kind's plan draws through it
     for t in (big, acc):  # compare the accumulated gradients themselves (Adam's first step is ~sign(g))
         monkeypatch.setattr(t.optimizer, "step", lambda: None)
         monkeypatch.setattr(t.optimizer, "zero_grad", lambda set_to_none=True: None)

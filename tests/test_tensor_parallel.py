@@ -211,7 +211,6 @@ def test_train_step_under_tp_equals_one_process_on_the_concatenated_batch(ranks,
     target's final hidden state for its L1 term)."""
     batch, anchors, keep = fixed_plan()
     monkeypatch.setattr("dflash.objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
-    monkeypatch.setattr("dflash.kinds.dspark_objective.sample_anchors", lambda loss_mask, n, generator=None, **_: (anchors, keep))
     for labels, overrides in LABELS.items():
         one = DFlashTrainer(tiny_config(**overrides), target=make_tiny_target())
         one.draft.load_state_dict(ranks[0]["training"][labels]["init"])  # DDP broadcast rank 0's

@@ -25,7 +25,6 @@ from dist_worker import fixed_plan
 from helpers import DFLASH2_HEAD, continuation_batch, make_tiny_target, random_batch, save_tiny_target, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import dflash.kinds.dspark_objective as dspark_module
 import dflash.objective as objective_module
 from dflash.config import TrainConfig
 from dflash.diagnostics import forbid_syncs
@@ -59,16 +58,14 @@ def one_step(overrides: dict[str, Any], *, fixed: bool = True) -> tuple[DFlashTr
                 p.add_(0.1 * torch.randn(p.shape, generator=g).to(p))
     init = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
     real = objective_module.sample_anchors, trainer.optimizer.step, trainer.optimizer.zero_grad
-    if fixed:  # DSpark plans through its own module's name for the sampler
-        objective_module.sample_anchors = dspark_module.sample_anchors = (
-            lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows]))
+    if fixed:  # every kind draws through `DFlashObjective.sample`, i.e. this module's name for the sampler
+        objective_module.sample_anchors = lambda loss_mask, n, generator=None, **_: (anchors[rows], keep[rows])
     trainer.optimizer.step = lambda: None
     trainer.optimizer.zero_grad = lambda set_to_none=True: None
     try:
         trainer.train_step(mine)
     finally:
         objective_module.sample_anchors, trainer.optimizer.step, trainer.optimizer.zero_grad = real
-        dspark_module.sample_anchors = real[0]
     grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters()}
     trainer.optimizer.zero_grad()
     return trainer, {"grads": grads, "metrics": trainer.metrics.flush(), "init": init}
