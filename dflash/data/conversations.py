@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.data.regenerate import RegenerateResult, answered_prompt_ids, cache_writer, check_replay
+from dflash.data.tokenization import render_chat
 from dflash.engines import Replier
 from dflash.report.console import ProgressBar
 
@@ -68,12 +69,6 @@ class _Trace:
         return bool(self.stop_reason) or self.answered == len(self.turns)
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any, generation_prompt: bool) -> str:
-    kwargs = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
-                                         **kwargs)
-
-
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -84,7 +79,7 @@ def glue_ids(tokenizer: Any, trace: _Trace, stop_token: int) -> list[int] | None
     k = trace.answered - 1
     start, end = trace.turns[k], trace.turns[k + 1]
     messages = [*trace.messages[:start], {"role": "assistant", "content": PLACEHOLDER}, *trace.messages[start + 1:end]]
-    text = _render(tokenizer, messages, trace.tools, generation_prompt=True)
+    text = render_chat(tokenizer, messages, generation_prompt=True, tools=trace.tools)
     stop_text = tokenizer.decode([stop_token], skip_special_tokens=False)
     after = text.find(PLACEHOLDER) + len(PLACEHOLDER)
     if text.find(PLACEHOLDER) < 0 or not stop_text or not text.startswith(stop_text, after):
@@ -100,7 +95,7 @@ def _start(conv: Mapping[str, Any], index: int, tokenizer: Any) -> _Trace | None
         return None
     tools = conv.get("tools")
     trace = _Trace(conversation_id(messages, tools), str(conv.get("id", index)), messages, tools, turns)
-    trace.ids = _token_ids(tokenizer, _render(tokenizer, messages[:turns[0]], tools, generation_prompt=True))
+    trace.ids = _token_ids(tokenizer, render_chat(tokenizer, messages[:turns[0]], generation_prompt=True, tools=tools))
     trace.mask = [0] * len(trace.ids)
     return trace
 

@@ -47,7 +47,7 @@ Tools = list[dict[str, Any]] | None  # a conversation's tool schemas, passed to 
 # --------------------------------------------------------------------------- tokenizing
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False, tools: Tools = None) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False, tools: Tools = None) -> str:
     """The chat template's text for ``messages`` (with the conversation's ``tools``, when it has them)."""
     return tokenizer.apply_chat_template(
         list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
@@ -77,8 +77,8 @@ def _assistant_spans(
         if message["role"] != "assistant":
             continue
         try:
-            before = _render(tokenizer, messages[:k], generation_prompt=True, tools=tools)
-            through = _render(tokenizer, messages[: k + 1], tools=tools)
+            before = render_chat(tokenizer, messages[:k], generation_prompt=True, tools=tools)
+            through = render_chat(tokenizer, messages[: k + 1], tools=tools)
         except Exception:
             unlocated += 1
             continue
@@ -128,7 +128,7 @@ def tokenize_conversation(messages: Sequence[Message], tokenizer: Any, max_lengt
     budget = char_budget(tokenizer, max_length) if max_chars is None else max_chars
     cut = sum(len(m["content"]) for m in messages) > budget
     messages = cut_messages(messages, budget) if cut else messages
-    text = _render(tokenizer, messages, tools=tools)
+    text = render_chat(tokenizer, messages, tools=tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])[:max_length]
     offsets = encoded["offset_mapping"]
