@@ -39,7 +39,7 @@ def long_overrides(args: argparse.Namespace) -> list[str]:
             f"data.max_length={args.pack_length}", f"data.pack_length={args.pack_length}",
             f"data.regenerate_max_prompt_tokens={args.max_history}", f"batch_size={args.long_batch}",
             f"draft.num_anchors={args.long_anchors}", f"data.eval_size={args.long_eval_size}",
-            f"data.regenerate_max_new_tokens={args.reply_tokens}"]
+            f"data.regenerate_max_new_tokens={args.reply_tokens}", *args.long_set]
 
 
 def main() -> int:
@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--long-anchors", type=int, default=1024, help="anchors per long sequence (short: 64 per 512)")
     p.add_argument("--long-eval-size", type=int, default=32, help="held-out long conversations")
     p.add_argument("--prompts", type=int, default=32, help="prompts decoded of each kind")
+    p.add_argument("--long-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of the long variant only (repeatable), e.g. data.limit=200")
     p.add_argument("--warm-steps", type=int, default=0)
     p.add_argument("--equal-time", action="store_true", help="long's steps: short's --steps time (needs --warm-steps)")
     p.add_argument("overrides", nargs="*", help="key=value settings applied to both variants")
