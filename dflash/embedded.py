@@ -241,10 +241,12 @@ def chitchat_conversations(path: Path | None = None) -> list[dict[str, Any]]:
 
 
 LONG_CHITCHAT = "chitchat-long"  # `data.source`: long conversations made of whole chitchat conversations
-# Human characters a long conversation holds: 3K-9K, about 16-48 user turns. Regenerated, each turn is a user message
-# (~25 tokens) and the target's reply (a ~100-token guess for SmolLM2), so rows of about 2K-6K tokens; the rows'
-# real lengths are logged by the run (and capped by data.regenerate_max_prompt_tokens).
-LONG_CHITCHAT_CHARS = (3_000, 9_000)
+# Human characters a long conversation holds: 6K-18K, about 33-100 user turns of ~180 characters with their human
+# replies. Regenerated, a turn is a user message (~23 tokens) and the target's reply (SmolLM2's first replies to 16 of
+# them: median ~40 tokens, 14 of 16 within 256), about 70 tokens, so rows of about 2K-7K tokens, capped by
+# data.regenerate_max_prompt_tokens; a reply cut by the budget ends its row sooner (docs/benchmarks.md, 2026-12-08:
+# with 3K-9K characters and 128-token replies, rows of 160-1,084 tokens under a 1,024-token cap).
+LONG_CHITCHAT_CHARS = (6_000, 18_000)
 
 
 def long_chitchat_conversations(path: Path | None = None, chars: tuple[int, int] = LONG_CHITCHAT_CHARS,

@@ -53,18 +53,17 @@ def target_bytes(target_config: Any, tp: int, dtype: torch.dtype) -> tuple[dict[
     return target_parameter_bytes(model), whole
 
 
-def target_memory(target_config: Any, tp: int, dtype: torch.dtype) -> str:
-    """This rank's bytes of the target (`target_bytes`), described."""
-    mine, whole = target_bytes(target_config, tp, dtype)
+def target_memory(mine: dict[str, int], whole: dict[str, int]) -> str:
+    """This rank's bytes of the target and the whole model's (`target_bytes`), described."""
     b = {key: format_bytes(n) for key, n in mine.items()}
     return (f"{b['total']} (decoder layers {b['layers']} of {format_bytes(whole['layers'])}, embedding "
             f"{b['embedding']}, LM head {b['lm_head']}{' (tied)' if not mine['lm_head'] else ''}, other {b['other']})")
 
 
-def step_memory(config: TrainConfig, target_config: Any, draft_cfg: Any, draft_params: int, dtype: torch.dtype) -> str:
-    """The training step's peak device memory on one rank, estimated from the shapes (`dflash.memory`), with the
-    options that lower it when it passes the device's memory."""
-    mine = target_bytes(target_config, config.tensor_parallel.size, dtype)[0]
+def step_memory(config: TrainConfig, target_config: Any, draft_cfg: Any, draft_params: int, dtype: torch.dtype,
+                mine: dict[str, int]) -> str:
+    """The training step's peak device memory on one rank (`mine`: the target's bytes on it, `target_bytes`),
+    estimated from the shapes (`dflash.memory`), with the options that lower it when it passes the device's memory."""
     # data.features: only the embedding and LM head are read (`OfflineTarget`)
     on_rank = mine["embedding"] + mine["lm_head"] if config.data.features else mine["total"]
     parts = estimate(step_shape(config, text_config_of(target_config), draft_cfg, draft_params, on_rank, dtype.itemsize))
@@ -229,6 +228,7 @@ def plan(config: TrainConfig) -> dict[str, Any]:
     tp = config.tensor_parallel.size
     rows = config.batch_size * config.optim.grad_accum
     stages = phases(config)  # counts the training rows the steps of num_epochs come from
+    mine, whole = target_bytes(target_cfg, tp, dtype)  # from the config on the meta device
     return {
         "target": config.target,
         "target_source": source,
@@ -255,9 +255,9 @@ def plan(config: TrainConfig) -> dict[str, Any]:
         "dtype": str(dtype).replace("torch.", ""),
         "mesh": mesh(tp),
         "tensor_parallel_overlap": config.tensor_parallel.overlap if tp > 1 else "n/a (tensor_parallel.size 1)",
-        "target_memory_per_rank": target_memory(target_cfg, tp, dtype) if not config.data.features else
+        "target_memory_per_rank": target_memory(mine, whole) if not config.data.features else
         "embedding and LM head only (data.features: the trunk is not loaded)",
-        "step_memory_estimate": step_memory(config, target_cfg, draft_cfg, params, dtype),
+        "step_memory_estimate": step_memory(config, target_cfg, draft_cfg, params, dtype, mine),
         "attention": resolve_attention(ds.attention, device),
         "data": config.data.source,
         "regenerate": config.data.regenerate,

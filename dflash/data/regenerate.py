@@ -33,7 +33,7 @@ from filelock import FileLock, Timeout
 from transformers import GenerationConfig
 
 from dflash.data.reply_cache import complete_lines, described, read_cache, set_aside
-from dflash.engines import ReplayMismatch, Replier, Reply
+from dflash.engines import ReplayMismatch, Replier, Reply, through_stop
 from dflash.report.console import ProgressBar
 from dflash.target_model.loading import load_target_config, target_location
 
@@ -196,9 +196,8 @@ def _generate(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_
     )
     replies = []
     for ids, row in zip(prompts, out[:, width:].tolist(), strict=True):
-        end = next((i for i, t in enumerate(row) if t in eos), None)
-        kept = row if end is None else row[:end + 1]  # through the stop token
-        replies.append(Reply(tokenizer.decode(row[:end], skip_special_tokens=False), end is not None, tuple(kept),
+        kept, finished = through_stop(row, eos)  # the padding after a finished reply is cut with it
+        replies.append(Reply(tokenizer.decode(kept[:-1] if finished else kept, skip_special_tokens=False), finished, kept,
                              tuple(ids)))
     return replies
 

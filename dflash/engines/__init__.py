@@ -24,6 +24,14 @@ class Reply(NamedTuple):
     prompt_token_ids: tuple[int, ...] | None = None
 
 
+def through_stop(token_ids: Sequence[int], stop: Sequence[int]) -> tuple[tuple[int, ...], bool]:
+    """(an engine's generated ids up to and including the first stop token, whether there was one): a `Reply`'s
+    `token_ids`; its text is their decoding without that token. The one cut every engine makes."""
+    ids = tuple(token_ids)
+    end = next((i for i, t in enumerate(ids) if t in stop), None)
+    return (ids, False) if end is None else (ids[:end + 1], True)
+
+
 class ReplayMismatch(ValueError):
     """An engine ran other token ids than dflash sent (its tokenizer or template added, dropped or changed tokens):
     the reply would continue another prompt than the row holds, so regeneration stops instead of shifting."""

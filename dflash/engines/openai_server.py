@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dflash.engines import Reply
-from dflash.engines.vllm_engine import cut_at_stop
+from dflash.engines import Reply, through_stop
 from dflash.preflight import ENGINE_PACKAGES, MissingDependencyError
 
 log = logging.getLogger(__name__)
@@ -103,8 +102,7 @@ class ServerReplier:
         finished = choice.finish_reason != "length"
         prompt_ids, reply_ids = getattr(choice, "prompt_token_ids", None), getattr(choice, "token_ids", None)
         if reply_ids is not None:
-            ids, stopped = cut_at_stop(reply_ids, self.stop)
-            reply_ids = tuple(reply_ids[:len(ids) + 1] if stopped else ids)
+            reply_ids, stopped = through_stop(reply_ids, self.stop)
             if finished and not stopped:  # the server left the stop token out of the ids: its reason names it
                 reason = getattr(choice, "stop_reason", None)
                 reply_ids = (*reply_ids, reason) if isinstance(reason, int) else None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.engines import Reply
+from dflash.engines import Reply, through_stop
 from dflash.preflight import ENGINE_PACKAGES, MissingDependencyError
 
 log = logging.getLogger(__name__)
@@ -106,13 +106,6 @@ def token_prompts(prompts: Sequence[Sequence[int]]) -> list[Any]:
     return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
 
 
-def cut_at_stop(token_ids: Sequence[int], stop: Sequence[int]) -> tuple[list[int], bool]:
-    """(the ids before the first stop token, whether there was one)."""
-    ids = list(token_ids)
-    end = next((i for i, t in enumerate(ids) if t in stop), None)
-    return (ids, False) if end is None else (ids[:end], True)
-
-
 class VLLMReplier:
     """Regeneration through vLLM's offline engine (`data.regenerate_engine: vllm`): the prompts of one call go to
     the engine together and it batches them continuously. The engine starts at the first `reply` (a run whose
@@ -132,11 +125,9 @@ class VLLMReplier:
         outputs = self.llm.generate(token_prompts(prompts), greedy_sampling(max_new_tokens, self.stop), use_tqdm=False)
         replies = []
         for out in outputs:
-            generated = list(out.outputs[0].token_ids)
-            ids, finished = cut_at_stop(generated, self.stop)
-            kept = generated[:len(ids) + 1] if finished else ids  # through the stop token
-            replies.append(Reply(self.tokenizer.decode(ids, skip_special_tokens=False), finished, tuple(kept),
-                                 tuple(out.prompt_token_ids)))
+            ids, finished = through_stop(out.outputs[0].token_ids, self.stop)
+            text = self.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
+            replies.append(Reply(text, finished, ids, tuple(out.prompt_token_ids)))
         return replies
 
     def close(self) -> None:
